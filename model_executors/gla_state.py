@@ -1,0 +1,85 @@
+"""Recurrent-state cache manager for Laplace's GLA mixers, inside vLLM's state pool.
+
+The model is attention-free: every mixer is a `MambaBase` layer whose states (fp32 GLA state
+[H, d_k, d_v] and the conv window [conv_size-1, D]) vLLM packs into one fixed page per
+sequence (`MambaSpec`, block size = max_model_len). A request's page index is
+`block_table[:, 0]`. vLLM does not clear a page when it hands it to a new request, so the
+metadata marks which rows start from zero state.
+
+Rows are ordered decodes first (query length 1, `reorder_batch_threshold = 1`). A brand-new
+one-token prompt also lands among the "decodes"; `decode_fresh` marks it so the step starts
+from zero instead of the page's previous owner's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.kv_cache_interface import MambaSpec
+
+
+@dataclass
+class GLAStateMetadata:
+    num_decodes: int
+    num_prefills: int
+    num_decode_tokens: int
+    num_actual_tokens: int
+    decode_slots: torch.Tensor  # [num_decodes] page per decode row (-1 = padding)
+    decode_fresh: torch.Tensor  # [num_decodes] bool: no history yet, start from zero state
+    prefill_cu_seqlens: torch.Tensor  # [num_prefills + 1], token offsets after the decode rows
+    prefill_slots: torch.Tensor  # [num_prefills]
+    prefill_has_state: torch.Tensor  # [num_prefills] bool: continues a chunked prefill
+
+
+class GLAStateMetadataBuilder(AttentionMetadataBuilder[GLAStateMetadata]):
+    _cudagraph_support = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec: MambaSpec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if vllm_config.cache_config.mamba_cache_mode != "none":
+            raise ValueError("Laplace keeps one state page per sequence: prefix caching must be off")
+        self._init_reorder_batch_threshold(1)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> GLAStateMetadata:
+        m = common_attn_metadata
+        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(m, decode_threshold=1)
+        qsl = m.query_start_loc_cpu[: m.num_reqs + 1].long()
+        query_lens = qsl[1:] - qsl[:-1]
+        context_lens = m.seq_lens[: m.num_reqs].cpu().long() - query_lens
+        slots = m.block_table_tensor[: m.num_reqs, 0].long()
+        return GLAStateMetadata(
+            num_decodes=num_decodes,
+            num_prefills=num_prefills,
+            num_decode_tokens=num_decode_tokens,
+            num_actual_tokens=int(qsl[-1]),
+            decode_slots=slots[:num_decodes],
+            decode_fresh=(context_lens[:num_decodes] == 0).to(slots.device),
+            prefill_cu_seqlens=qsl[num_decodes:] - num_decode_tokens,
+            prefill_slots=slots[num_decodes:],
+            prefill_has_state=context_lens[num_decodes:] > 0,
+        )
+
+
+class GLAStateBackend(AttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "TRN_GLA_STATE"
+
+    @staticmethod
+    def get_builder_cls() -> type[GLAStateMetadataBuilder]:
+        return GLAStateMetadataBuilder
+
+    @classmethod
+    def is_ssm(cls) -> bool:
+        return True

@@ -1,0 +1,276 @@
+"""Laplace 3B (i14): an attention-free decoder whose every layer is a Simple GLA mixer.
+
+Spec: shared/spec/models.md §2 and §3. One layer, input x (D)::
+
+    h = SiLU(causal_conv1d(LayerNorm(x)))                 width conv_size, depthwise
+    q, k, v, g = W_qkvg h                                 q, k [H, d_k]; v, g [H, d_v]
+    o = SimpleGLA(q, k, v) + self-augmentation            fixed geometric decay per head
+    x = x + W_out(SiLU(g) * HeadRMSNorm_tier(o))
+    x = x + W3(SiLU(W1 LayerNorm(x)) * W2 LayerNorm(x))
+
+The mixer's stateful part (conv window, GLA state) runs behind one opaque custom op so that
+vLLM's compiled graph never traces the metadata-dependent recurrence; its states live in
+vLLM's state pool (see gla_state.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.model_executor.models.utils import maybe_prefix
+from vllm.sequence import IntermediateTensors
+from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.v1.attention.backend import AttentionBackend
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm_trn_plugin.kernels.simple_gla import (
+    causal_conv1d_prefill,
+    causal_conv1d_step,
+    geometric_log_decay,
+    simple_gla_chunked_prefill,
+    simple_gla_decode_step,
+)
+from vllm_trn_plugin.model_executors.gla_state import GLAStateBackend, GLAStateMetadata
+
+from vllm_trn_plugin.configs.laplace import LaplaceConfig
+
+
+class LaplaceMixer(MambaBase, nn.Module):
+    """Conv + fused QKVG + Simple GLA + tiered head norm + SiLU(g) gate + W_out."""
+
+    def __init__(self, config: LaplaceConfig, model_dtype: torch.dtype, prefix: str) -> None:
+        super().__init__()
+        D, H, dk, dv = config.hidden_size, config.num_heads, config.head_k_dim, config.head_v_dim
+        self.hidden_size, self.num_heads, self.head_k_dim, self.head_v_dim = D, H, dk, dv
+        self.conv_size = config.conv_size
+        self.scale = config.scale
+        self.head_norm_eps = config.head_norm_eps
+        self.heads_per_tier = H // config.num_decay_tiers
+        self.model_dtype = model_dtype
+        self.prefix = prefix
+
+        self.conv1d = nn.Conv1d(D, D, config.conv_size, groups=D, bias=True)
+        self.qkvg_proj = MergedColumnParallelLinear(
+            D, [H * dk, H * dk, H * dv, H * dv], bias=False, prefix=f"{prefix}.qkvg_proj"
+        )
+        self.aug_balance = nn.Parameter(torch.zeros(H, dk))
+        self.head_norm = nn.Module()
+        self.head_norm.weight = nn.Parameter(torch.ones(config.num_decay_tiers, dv))
+        self.o_proj = RowParallelLinear(H * dv, D, bias=False, prefix=f"{prefix}.o_proj")
+        log_decay = geometric_log_decay(H, config.decay_t_min, config.decay_t_max)
+        self.register_buffer("log_decay", log_decay, persistent=False)
+
+        static_ctx = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in static_ctx:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        static_ctx[prefix] = self
+
+    # --- state pool interface (MambaBase) ---
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.num_heads, self.head_k_dim, self.head_v_dim), (self.conv_size - 1, self.hidden_size))
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return (torch.float32, self.model_dtype)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.LINEAR
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return GLAStateBackend
+
+    # --- forward ---
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(
+            hidden_states.shape[0], self.num_heads * self.head_v_dim, dtype=hidden_states.dtype,
+            device=hidden_states.device,
+        )
+        torch.ops.vllm.trn_laplace_mixer(hidden_states, out, self.prefix)
+        return self.o_proj(out)[0]
+
+    def mix(self, h: torch.Tensor, output: torch.Tensor) -> None:
+        """The stateful part, run eagerly inside the custom op: writes output[:T] (T real tokens)."""
+        meta = get_forward_context().attn_metadata
+        meta = meta.get(self.prefix) if isinstance(meta, dict) else None
+        if meta is None:  # profiling / compile warm-up: no state pages bound to requests
+            output.zero_()
+            return
+        assert isinstance(meta, GLAStateMetadata)
+        T, nd = meta.num_actual_tokens, meta.num_decode_tokens
+        H, dk, dv = self.num_heads, self.head_k_dim, self.head_v_dim
+        gla_pool, conv_pool = self.kv_cache
+        conv_w, conv_b = self.conv1d.weight[:, 0, :], self.conv1d.bias
+
+        x = torch.empty(T, self.hidden_size, dtype=h.dtype, device=h.device)
+        if meta.num_decodes:
+            slots = meta.decode_slots
+            fresh = slots[meta.decode_fresh & (slots >= 0)]
+            gla_pool[fresh] = 0
+            conv_pool[fresh] = 0
+            x[:nd] = causal_conv1d_step(h[:nd], conv_w, conv_b, conv_pool, slots)
+        if meta.num_prefills:
+            slots, has_state = meta.prefill_slots, meta.prefill_has_state
+            keep = has_state[:, None, None]
+            init_conv = torch.where(keep, conv_pool[slots], 0)
+            x[nd:], new_conv = causal_conv1d_prefill(h[nd:T], conv_w, conv_b, meta.prefill_cu_seqlens, init_conv)
+
+        q, k, v, g = self.qkvg_proj(x)[0].split([H * dk, H * dk, H * dv, H * dv], dim=-1)
+        q, k, v = q.view(T, H, dk), k.view(T, H, dk), v.view(T, H, dv)
+        o = torch.empty(T, H, dv, dtype=h.dtype, device=h.device)
+        aug, log_decay = self.aug_balance, self.log_decay
+        if meta.num_decodes:
+            o[:nd] = simple_gla_decode_step(
+                q[:nd], k[:nd], v[:nd], aug, log_decay, self.scale, gla_pool, meta.decode_slots
+            )
+        if meta.num_prefills:
+            init_state = torch.where(keep[..., None], gla_pool[slots], 0)
+            o[nd:], final_state = simple_gla_chunked_prefill(
+                q[nd:], k[nd:], v[nd:], aug, log_decay, self.scale, meta.prefill_cu_seqlens, init_state
+            )
+            gla_pool[slots] = final_state
+            conv_pool[slots] = new_conv
+
+        of = o.float()
+        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.head_norm_eps)
+        of = of * self.head_norm.weight.float().repeat_interleave(self.heads_per_tier, 0)
+        output[:T] = (F.silu(g.float()) * of.reshape(T, H * dv)).to(output.dtype)
+        output[T:] = 0
+
+
+def _laplace_mixer_op(hidden_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    get_forward_context().no_compile_layers[layer_name].mix(hidden_states, output)
+
+
+def _laplace_mixer_fake(hidden_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    return None
+
+
+direct_register_custom_op(
+    op_name="trn_laplace_mixer",
+    op_func=_laplace_mixer_op,
+    mutates_args=["output"],
+    fake_impl=_laplace_mixer_fake,
+)
+
+
+class LaplaceMLP(nn.Module):
+    def __init__(self, config: LaplaceConfig, prefix: str) -> None:
+        super().__init__()
+        F_ = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [F_, F_], bias=False, prefix=f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(F_, config.hidden_size, bias=False, prefix=f"{prefix}.down_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x)[0].chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)[0]
+
+
+class LaplaceDecoderLayer(nn.Module):
+    def __init__(self, config: LaplaceConfig, model_dtype: torch.dtype, prefix: str) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.mixer = LaplaceMixer(config, model_dtype, prefix=f"{prefix}.mixer")
+        self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = LaplaceMLP(config, prefix=f"{prefix}.mlp")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mixer(self.attn_norm(x))
+        return x + self.mlp(self.ffn_norm(x))
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0})
+class LaplaceModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config: LaplaceConfig = vllm_config.model_config.hf_config
+        dtype = vllm_config.model_config.dtype
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LaplaceDecoderLayer(config, dtype, prefix=maybe_prefix(prefix, f"layers.{i}")) for i in range(config.num_hidden_layers)
+        )
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
+    # Checkpoint names that vLLM fuses: (fused param, checkpoint name, shard id).
+    stacked_params_mapping = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config: LaplaceConfig = vllm_config.model_config.hf_config
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise ValueError("LaplaceForCausalLM: tensor parallelism is not supported (tensor_parallel_size must be 1)")
+        self.config = config
+        self.model = LaplaceModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            for fused, part, shard in self.stacked_params_mapping:
+                if part in name:
+                    target = name.replace(part, fused)
+                    _param(params, target, name).weight_loader(params[target], tensor, shard)
+                    break
+            else:
+                target = name
+                param = _param(params, target, name)
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"checkpoint tensor {name}: shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
+                    )
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(target)
+        return loaded
+
+
+def _param(params: dict[str, nn.Parameter], target: str, name: str) -> nn.Parameter:
+    if target not in params:
+        raise ValueError(f"checkpoint tensor {name} has no place in LaplaceForCausalLM (expected names: spec §3)")
+    return params[target]

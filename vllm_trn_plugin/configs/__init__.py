@@ -1,0 +1,3 @@
+from vllm_trn_plugin.configs.laplace import LaplaceConfig
+
+__all__ = ["LaplaceConfig"]

@@ -1,0 +1,127 @@
+"""Small random checkpoints in the pinned formats (spec §3), with an offline tokenizer.
+
+Weights are random: a demo checkpoint proves the serving path, not language quality. The
+geometry is a scaled-down copy of the real one (same tensor names, same head structure).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from vllm_trn_plugin.configs import LaplaceConfig
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+LAPLACE_DEMO = dict(
+    vocab_size=512,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_heads=4,
+    head_k_dim=32,
+    head_v_dim=64,
+    conv_size=4,
+    intermediate_size=512,
+    decay_t_min=1.0,
+    decay_t_max=2048.0,
+    num_decay_tiers=2,
+    attn_scale=None,
+    norm_eps=1e-5,
+    head_norm_eps=1e-6,
+    max_position_embeddings=131072,
+)
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's printable stand-in for each byte value, indexed by byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
+
+def write_byte_tokenizer(out_dir: Path) -> None:
+    """A byte-level tokenizer (ids 0-255 are the bytes, then the special tokens), ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(_bytes_to_unicode())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+
+
+def random_laplace_weights(config: LaplaceConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random fp32 tensors under the checkpoint names of spec §3."""
+    g = torch.Generator().manual_seed(seed)
+    D, H, dk, dv = config.hidden_size, config.num_heads, config.head_k_dim, config.head_v_dim
+    F, V, W = config.intermediate_size, config.vocab_size, config.conv_size
+
+    def randn(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std + mean
+
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(V, D, std=1.0)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        t[p + "attn_norm.weight"] = randn(D, std=0.1, mean=1.0)
+        t[p + "attn_norm.bias"] = randn(D, std=0.1)
+        t[p + "mixer.conv1d.weight"] = randn(D, 1, W, std=W**-0.5)
+        t[p + "mixer.conv1d.bias"] = randn(D, std=0.1)
+        t[p + "mixer.qkvg_proj.weight"] = randn(H * (2 * dk + 2 * dv), D, std=D**-0.5)
+        t[p + "mixer.aug_balance"] = randn(H, dk, std=0.5)
+        t[p + "mixer.head_norm.weight"] = randn(config.num_decay_tiers, dv, std=0.1, mean=1.0)
+        t[p + "mixer.o_proj.weight"] = randn(D, H * dv, std=(H * dv) ** -0.5)
+        t[p + "ffn_norm.weight"] = randn(D, std=0.1, mean=1.0)
+        t[p + "ffn_norm.bias"] = randn(D, std=0.1)
+        t[p + "mlp.gate_proj.weight"] = randn(F, D, std=D**-0.5)
+        t[p + "mlp.up_proj.weight"] = randn(F, D, std=D**-0.5)
+        t[p + "mlp.down_proj.weight"] = randn(D, F, std=F**-0.5)
+    t["model.norm.weight"] = randn(D, std=0.1, mean=1.0)
+    t["model.norm.bias"] = randn(D, std=0.1)
+    # A peaked output distribution keeps greedy decoding away from near-ties.
+    t["lm_head.weight"] = randn(V, D, std=4 * D**-0.5)
+    return t
+
+
+def write_laplace_demo(
+    out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16, **overrides: Any
+) -> Path:
+    """Write config.json, model.safetensors and a tokenizer for a random Laplace model."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = LaplaceConfig(**{**LAPLACE_DEMO, **overrides})
+    if config.vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size={config.vocab_size}: the byte tokenizer needs at least 259")
+    config.architectures = ["LaplaceForCausalLM"]
+    config.torch_dtype = str(dtype).removeprefix("torch.")
+    config.eos_token_id = 256 + SPECIAL_TOKENS.index("<|im_end|>")
+    config.pad_token_id = 256 + SPECIAL_TOKENS.index("<|endoftext|>")
+    tensors = random_laplace_weights(config, seed)
+    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    cfg = config.to_dict()
+    cfg["dtype"] = cfg.pop("torch_dtype", None) or config.torch_dtype
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    write_byte_tokenizer(out)
+    return out
