@@ -64,8 +64,7 @@ def simple_gla_chunked_prefill(
     Returns (o [T, H, dv] in q's dtype, final_state [N, H, dk, dv] fp32).
     """
     out_dtype = q.dtype
-    T, H, dk = q.shape
-    dv = v.shape[-1]
+    T, H, _ = q.shape
     N = cu_seqlens.numel() - 1
     C = chunk_size
     dev = q.device

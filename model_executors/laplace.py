@@ -199,7 +199,8 @@ class LaplaceModel(nn.Module):
         dtype = vllm_config.model_config.dtype
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LaplaceDecoderLayer(config, dtype, prefix=maybe_prefix(prefix, f"layers.{i}")) for i in range(config.num_hidden_layers)
+            LaplaceDecoderLayer(config, dtype, prefix=maybe_prefix(prefix, f"layers.{i}"))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
 

@@ -52,7 +52,9 @@ class LaplaceConfig(PretrainedConfig):
         if tie_word_embeddings:
             raise ValueError("laplace config: tie_word_embeddings must be false (untied LM head)")
         if num_heads % num_decay_tiers:
-            raise ValueError(f"laplace config: num_heads={num_heads} not divisible by num_decay_tiers={num_decay_tiers}")
+            raise ValueError(
+                f"laplace config: num_heads={num_heads} is not divisible by num_decay_tiers={num_decay_tiers}"
+            )
         super().__init__(tie_word_embeddings=False, **kwargs)
 
     @property
