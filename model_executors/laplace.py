@@ -93,7 +93,9 @@ class LaplaceMixer(MambaBase, nn.Module):
     # --- forward ---
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         out = torch.empty(
-            hidden_states.shape[0], self.num_heads * self.head_v_dim, dtype=hidden_states.dtype,
+            hidden_states.shape[0],
+            self.num_heads * self.head_v_dim,
+            dtype=hidden_states.dtype,
             device=hidden_states.device,
         )
         torch.ops.vllm.trn_laplace_mixer(hidden_states, out, self.prefix)
