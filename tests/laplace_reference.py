@@ -1,0 +1,121 @@
+"""An independent plain-PyTorch Laplace forward, written from the spec (models.md §2, §3).
+
+One token at a time in float64, straight from the safetensors file: no vLLM, no plugin code.
+Every equation is the spec's per-token recurrence, so it is the oracle for the served model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+
+@dataclass
+class Greedy:
+    tokens: list[int]
+    logprobs: list[float]  # log-softmax of each chosen token
+    margins: list[float]  # top-1 minus top-2 logprob at each step
+
+
+class LaplaceReference:
+    def __init__(self, ckpt: str | Path) -> None:
+        ckpt = Path(ckpt)
+        self.cfg = json.loads((ckpt / "config.json").read_text())
+        self.w = {k: v.to(torch.float64) for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+        c = self.cfg
+        self.H, self.dk, self.dv, self.D = c["num_heads"], c["head_k_dim"], c["head_v_dim"], c["hidden_size"]
+        self.L, self.W = c["num_hidden_layers"], c["conv_size"]
+        self.scale = c["attn_scale"] if c["attn_scale"] is not None else self.dk**-0.5
+        H = self.H
+        self.lam = torch.tensor(
+            [2.0 ** (-1.0 / (c["decay_t_min"] * (c["decay_t_max"] / c["decay_t_min"]) ** (h / (H - 1)))) for h in range(H)],
+            dtype=torch.float64,
+        )
+        self.tier = [h // (H // c["num_decay_tiers"]) for h in range(H)]
+
+    def new_state(self) -> list[dict[str, torch.Tensor]]:
+        return [
+            {
+                "S": torch.zeros(self.H, self.dk, self.dv, dtype=torch.float64),
+                "conv": torch.zeros(self.W - 1, self.D, dtype=torch.float64),
+            }
+            for _ in range(self.L)
+        ]
+
+    def _ln(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.layer_norm(x, (self.D,), self.w[name + ".weight"], self.w[name + ".bias"], self.cfg["norm_eps"])
+
+    def step(self, token: int, state: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Consume one token, update `state` in place, return the next-token logits (float64)."""
+        w, H, dk, dv = self.w, self.H, self.dk, self.dv
+        x = w["model.embed_tokens.weight"][token]
+        for i, st in enumerate(state):
+            p = f"model.layers.{i}."
+            h = self._ln(x, p + "attn_norm")
+            window = torch.cat([st["conv"], h[None]], 0)  # [W, D], last row = current token
+            conv_w = w[p + "mixer.conv1d.weight"][:, 0, :]  # [D, W]
+            c = F.silu((window.T * conv_w).sum(1) + w[p + "mixer.conv1d.bias"])
+            st["conv"] = window[1:]
+            qkvg = w[p + "mixer.qkvg_proj.weight"] @ c
+            q = qkvg[: H * dk].view(H, dk)
+            k = qkvg[H * dk : 2 * H * dk].view(H, dk)
+            v = qkvg[2 * H * dk : 2 * H * dk + H * dv].view(H, dv)
+            g = qkvg[2 * H * dk + H * dv :]
+            a = w[p + "mixer.aug_balance"]
+            norm_w = w[p + "mixer.head_norm.weight"]
+            heads = []
+            for hh in range(H):
+                st["S"][hh] = self.lam[hh] * st["S"][hh] + torch.outer(k[hh], v[hh])
+                o = self.scale * (q[hh] @ st["S"][hh]) + torch.sigmoid((q[hh] * a[hh] * k[hh]).sum()) * v[hh]
+                o = o / torch.sqrt((o * o).mean() + self.cfg["head_norm_eps"]) * norm_w[self.tier[hh]]
+                heads.append(o)
+            y = F.silu(g) * torch.cat(heads)
+            x = x + w[p + "mixer.o_proj.weight"] @ y
+            h = self._ln(x, p + "ffn_norm")
+            gate = w[p + "mlp.gate_proj.weight"] @ h
+            up = w[p + "mlp.up_proj.weight"] @ h
+            x = x + w[p + "mlp.down_proj.weight"] @ (F.silu(gate) * up)
+        return w["lm_head.weight"] @ self._ln(x, "model.norm")
+
+    def greedy(self, prompt: list[int], max_tokens: int) -> Greedy:
+        state = self.new_state()
+        for t in prompt[:-1]:
+            self.step(t, state)
+        out = Greedy([], [], [])
+        token = prompt[-1]
+        for _ in range(max_tokens):
+            logp = torch.log_softmax(self.step(token, state), -1)
+            top = torch.topk(logp, 2)
+            token = int(top.indices[0])
+            out.tokens.append(token)
+            out.logprobs.append(float(top.values[0]))
+            out.margins.append(float(top.values[0] - top.values[1]))
+        return out
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+TIE_MARGIN = 1e-3  # nats: a top-2 margin under this is a tie, either token is right
+
+
+def assert_same_greedy(got: list[int], ref: Greedy, what: str) -> None:
+    """Token-for-token equality, except that after a near-tie (margin < TIE_MARGIN) the paths may
+    legitimately part; the steps before that must match exactly."""
+    d = first_divergence(got, ref.tokens)
+    if d is None:
+        return
+    assert d < len(ref.margins) and ref.margins[d] < TIE_MARGIN, (
+        f"{what}: diverges at step {d} (got {got[d : d + 4]}, want {ref.tokens[d : d + 4]}); "
+        f"reference top-2 margin there {ref.margins[d] if d < len(ref.margins) else math.nan:.2e} nats is no tie"
+    )
