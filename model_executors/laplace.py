@@ -264,11 +264,14 @@ class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
             else:
                 target = name
                 param = _param(params, target, name)
-                if param.shape != tensor.shape:
-                    raise ValueError(
-                        f"checkpoint tensor {name}: shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
-                    )
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                loader = getattr(param, "weight_loader", None)
+                if loader is None:  # vLLM's own loaders check (and pad) shapes themselves
+                    if param.shape != tensor.shape:
+                        raise ValueError(
+                            f"checkpoint tensor {name}: shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
+                        )
+                    loader = default_weight_loader
+                loader(param, tensor)
             loaded.add(target)
         return loaded
 

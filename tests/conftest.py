@@ -1,0 +1,137 @@
+"""Session-wide checkpoints, references and the one vLLM engine / server the tests share.
+
+vLLM takes 30-60 s to start on these machines, so every test that needs an engine uses the
+session's single `laplace_llm` (float32, compiled mode, small state pool, small token budget so
+long prompts are prefilled in chunks) and every HTTP test the single `laplace_server`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from tests.laplace_reference import LaplaceReference
+
+POOL_SLOTS = 40  # state pages in the session engine's pool
+MAX_NUM_SEQS = 64  # more than the pool holds: admission is limited by free pages
+TOKEN_BUDGET = 256  # max_num_batched_tokens: prompts longer than this are prefilled in chunks
+
+
+@pytest.fixture(scope="session")
+def laplace_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from vllm_trn_plugin.demo import write_laplace_demo
+
+    return write_laplace_demo(tmp_path_factory.mktemp("laplace-f32"), seed=1, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def laplace_ref(laplace_ckpt: Path) -> LaplaceReference:
+    return LaplaceReference(laplace_ckpt)
+
+
+def random_prompts(n: int, lengths: list[int], seed: int, vocab: int = 256) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+# Probes run first on the fresh engine, and again after the other tests have reused every slot.
+PROBES = random_prompts(3, [9, 200, 300], seed=99)
+PROBE_TOKENS = 12
+
+
+@dataclass
+class Engine:
+    llm: object
+    fresh_probe_outputs: list
+
+
+def greedy_params(max_tokens: int, logprobs: int = 2):  # noqa: ANN201
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, ignore_eos=True)
+
+
+def token_prompts(prompts: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+@pytest.fixture(scope="session")
+def laplace_llm(laplace_ckpt: Path) -> Engine:
+    from vllm import LLM
+
+    cfg = LaplaceReference(laplace_ckpt).cfg
+    page = cfg["num_hidden_layers"] * 4 * (
+        cfg["num_heads"] * cfg["head_k_dim"] * cfg["head_v_dim"] + (cfg["conv_size"] - 1) * cfg["hidden_size"]
+    )
+    llm = LLM(
+        model=str(laplace_ckpt),
+        dtype="float32",
+        max_model_len=2048,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=TOKEN_BUDGET,
+        kv_cache_memory_bytes=POOL_SLOTS * page,
+        disable_log_stats=False,
+        seed=0,
+    )
+    fresh = [llm.generate(token_prompts([p]), greedy_params(PROBE_TOKENS), use_tqdm=False)[0] for p in PROBES]
+    yield Engine(llm, fresh)
+    del llm
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    model: str
+    proc: subprocess.Popen
+    log: Path
+
+
+@pytest.fixture(scope="session")
+def laplace_server(tmp_path_factory: pytest.TempPathFactory) -> Server:
+    """`vllm-trn serve` on the default (bf16) demo checkpoint, eager mode (the engine fixture covers
+    compiled mode)."""
+    root = tmp_path_factory.mktemp("server")
+    ckpt = root / "demo-laplace"
+    vllm_trn = str(Path(sys.executable).parent / "vllm-trn")  # the installed console command
+    subprocess.run([vllm_trn, "demo", "laplace", str(ckpt)], check=True)
+    port = _free_port()
+    log = root / "server.log"
+    cmd = [vllm_trn, "serve", str(ckpt), "--port", str(port)]
+    cmd += ["--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "4096"]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm-trn serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except requests.ConnectionError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"vllm-trn serve did not become healthy in 600 s:\n{log.read_text()[-4000:]}")
+        time.sleep(1)
+    yield Server(url, str(ckpt), proc, log)
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
