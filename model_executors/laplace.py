@@ -46,6 +46,19 @@ from vllm_trn_plugin.model_executors.gla_state import GLAStateBackend, GLAStateM
 from vllm_trn_plugin.configs.laplace import LaplaceConfig
 
 
+def laplace_state_shapes(config: LaplaceConfig) -> tuple[tuple[int, ...], ...]:
+    """Per-layer state page: the GLA state [H, d_k, d_v] and the conv window [conv_size-1, D]."""
+    return (
+        (config.num_heads, config.head_k_dim, config.head_v_dim),
+        (config.conv_size - 1, config.hidden_size),
+    )
+
+
+def laplace_state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    # The GLA state accumulates over the whole history: fp32. The conv window holds activations.
+    return (torch.float32, model_dtype)
+
+
 class LaplaceMixer(MambaBase, nn.Module):
     """Conv + fused QKVG + Simple GLA + tiered head norm + SiLU(g) gate + W_out."""
 
@@ -53,11 +66,11 @@ class LaplaceMixer(MambaBase, nn.Module):
         super().__init__()
         D, H, dk, dv = config.hidden_size, config.num_heads, config.head_k_dim, config.head_v_dim
         self.hidden_size, self.num_heads, self.head_k_dim, self.head_v_dim = D, H, dk, dv
-        self.conv_size = config.conv_size
         self.scale = config.scale
         self.head_norm_eps = config.head_norm_eps
         self.heads_per_tier = H // config.num_decay_tiers
         self.model_dtype = model_dtype
+        self.config = config
         self.prefix = prefix
 
         self.conv1d = nn.Conv1d(D, D, config.conv_size, groups=D, bias=True)
@@ -78,10 +91,10 @@ class LaplaceMixer(MambaBase, nn.Module):
 
     # --- state pool interface (MambaBase) ---
     def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
-        return ((self.num_heads, self.head_k_dim, self.head_v_dim), (self.conv_size - 1, self.hidden_size))
+        return laplace_state_shapes(self.config)
 
     def get_state_dtype(self) -> tuple[torch.dtype, ...]:
-        return (torch.float32, self.model_dtype)
+        return laplace_state_dtypes(self.model_dtype)
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
@@ -251,6 +264,14 @@ class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.logits_processor(self.lm_head, hidden_states)
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
+        return laplace_state_shapes(vllm_config.model_config.hf_config)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
+        return laplace_state_dtypes(vllm_config.model_config.dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())

@@ -1,0 +1,53 @@
+"""At the full Laplace 3B geometry (config only, no weights), vLLM's state page per sequence is
+28-31 MB and independent of max_model_len: one fixed page per sequence, whatever the context."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_trn_plugin import register
+from vllm_trn_plugin.configs import LaplaceConfig
+
+
+def _engine_config(ckpt, max_model_len: int):  # noqa: ANN001, ANN202
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(ckpt), max_model_len=max_model_len, dtype="bfloat16", skip_tokenizer_init=True)
+    return args.create_engine_config()
+
+
+@pytest.fixture(scope="module")
+def full_size_ckpt(tmp_path_factory):  # noqa: ANN001, ANN201
+    register()
+    d = tmp_path_factory.mktemp("laplace-3b-config")
+    cfg = LaplaceConfig()  # defaults are the 3B geometry of spec §2
+    cfg.architectures = ["LaplaceForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg.to_dict()))
+    return d
+
+
+def test_full_geometry_state_page(full_size_ckpt) -> None:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from vllm_trn_plugin.model_executors.laplace import LaplaceForCausalLM
+
+    pages = {}
+    for max_len in (2048, 8192, 131072):
+        vc = _engine_config(full_size_ckpt, max_len)
+        hf = vc.model_config.hf_config
+        assert (hf.num_hidden_layers, hf.num_heads, hf.head_k_dim, hf.head_v_dim) == (24, 16, 96, 192)
+        # One page per sequence: vLLM sizes the state block to the whole context.
+        assert vc.cache_config.mamba_block_size == max_len
+        spec = MambaSpec(
+            shapes=LaplaceForCausalLM.get_mamba_state_shape_from_config(vc),
+            dtypes=LaplaceForCausalLM.get_mamba_state_dtype_from_config(vc),
+            block_size=vc.cache_config.mamba_block_size,
+        )
+        pages[max_len] = spec.page_size_bytes * hf.num_hidden_layers
+    assert len(set(pages.values())) == 1, f"state page changes with max_model_len: {pages}"
+    page = pages[2048]
+    # Independent count from the spec: 24 x (16 x 96 x 192 fp32 + 3 x 3072 bf16) bytes.
+    assert page == 24 * (16 * 96 * 192 * 4 + 3 * 3072 * 2)
+    assert 28e6 <= page <= 31e6, f"{page / 1e6:.2f} MB per sequence"
