@@ -139,9 +139,9 @@ def laplace_state(geo: dict[str, Any], model_dtype: str) -> dict[str, Any]:
     """Per-sequence state from the plugin's own mixer code, packed into pages by vLLM's MambaSpec."""
     import torch
     from vllm.v1.kv_cache_interface import MambaSpec
-    from vllm_trn_plugin.model_executors.laplace import LaplaceMixer
 
     from vllm_trn_plugin.configs import LaplaceConfig
+    from vllm_trn_plugin.model_executors.laplace import LaplaceMixer
 
     cfg = LaplaceConfig(**geo)
     # A real LaplaceMixer needs vLLM's tensor-parallel groups (its linear layers); the state methods

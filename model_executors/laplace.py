@@ -34,6 +34,8 @@ from vllm.sequence import IntermediateTensors
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from vllm_trn_plugin.configs.laplace import LaplaceConfig
 from vllm_trn_plugin.kernels.simple_gla import (
     causal_conv1d_prefill,
     causal_conv1d_step,
@@ -42,8 +44,6 @@ from vllm_trn_plugin.kernels.simple_gla import (
     simple_gla_decode_step,
 )
 from vllm_trn_plugin.model_executors.gla_state import GLAStateBackend, GLAStateMetadata
-
-from vllm_trn_plugin.configs.laplace import LaplaceConfig
 
 
 def laplace_state_shapes(config: LaplaceConfig) -> tuple[tuple[int, ...], ...]:

@@ -69,8 +69,10 @@ def laplace_llm(laplace_ckpt: Path) -> Engine:
     from vllm import LLM
 
     cfg = LaplaceReference(laplace_ckpt).cfg
-    page = cfg["num_hidden_layers"] * 4 * (
-        cfg["num_heads"] * cfg["head_k_dim"] * cfg["head_v_dim"] + (cfg["conv_size"] - 1) * cfg["hidden_size"]
+    page = (
+        cfg["num_hidden_layers"]
+        * 4
+        * (cfg["num_heads"] * cfg["head_k_dim"] * cfg["head_v_dim"] + (cfg["conv_size"] - 1) * cfg["hidden_size"])
     )
     llm = LLM(
         model=str(laplace_ckpt),

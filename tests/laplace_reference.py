@@ -33,10 +33,9 @@ class LaplaceReference:
         self.L, self.W = c["num_hidden_layers"], c["conv_size"]
         self.scale = c["attn_scale"] if c["attn_scale"] is not None else self.dk**-0.5
         H = self.H
-        self.lam = torch.tensor(
-            [2.0 ** (-1.0 / (c["decay_t_min"] * (c["decay_t_max"] / c["decay_t_min"]) ** (h / (H - 1)))) for h in range(H)],
-            dtype=torch.float64,
-        )
+        t_min, t_max = c["decay_t_min"], c["decay_t_max"]
+        half_lives = [t_min * (t_max / t_min) ** (h / (H - 1)) for h in range(H)]
+        self.lam = torch.tensor([2.0 ** (-1.0 / t) for t in half_lives], dtype=torch.float64)
         self.tier = [h // (H // c["num_decay_tiers"]) for h in range(H)]
 
     def new_state(self) -> list[dict[str, torch.Tensor]]:

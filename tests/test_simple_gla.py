@@ -30,6 +30,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+
 from vllm_trn_plugin.kernels.simple_gla import (
     causal_conv1d_prefill,
     causal_conv1d_step,
