@@ -1,0 +1,78 @@
+"""A bad checkpoint fails the load with an error naming the tensor, never a silent wrong model.
+
+The model is built and loaded by vLLM's own default loader in a child process, so the
+pytest process never initialises vLLM's distributed state.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm_trn_plugin.demo import write_laplace_demo
+
+LOAD_ALL = textwrap.dedent(
+    """
+    import json, sys, tempfile
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm_trn_plugin import register
+
+    def config(ckpt):
+        return EngineArgs(model=ckpt, dtype="float32", max_model_len=256, enforce_eager=True).create_engine_config()
+
+    register()
+    with set_current_vllm_config(config(sys.argv[1])):
+        init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, "gloo")
+        ensure_model_parallel_initialized(1, 1)
+    results = {}
+    for ckpt in sys.argv[1:]:
+        vc = config(ckpt)
+        try:
+            with set_current_vllm_config(vc):
+                loader = get_model_loader(vc.load_config)
+                loader.load_weights(loader.create_model(vllm_config=vc, model_config=vc.model_config), vc.model_config)
+            results[ckpt] = "loaded"
+        except Exception as e:
+            results[ckpt] = f"{type(e).__name__}: {e}"
+    print("RESULTS" + json.dumps(results))
+    """
+)
+
+
+def test_bad_tensors_are_named(tmp_path) -> None:
+    good = write_laplace_demo(tmp_path / "good", dtype=torch.float32, num_hidden_layers=2)
+    tensors = load_file(str(good / "model.safetensors"))
+
+    def variant(name: str, edit) -> str:  # noqa: ANN001
+        d = write_laplace_demo(tmp_path / name, dtype=torch.float32, num_hidden_layers=2)
+        t = dict(tensors)
+        edit(t)
+        save_file(t, str(d / "model.safetensors"))
+        return str(d)
+
+    cases = {
+        variant("missing", lambda t: t.pop("model.layers.1.mixer.aug_balance")): "model.layers.1.mixer.aug_balance",
+        variant("unknown", lambda t: t.update({"model.layers.0.mixer.k_proj.weight": torch.zeros(2, 2)})): (
+            "model.layers.0.mixer.k_proj.weight"
+        ),
+        variant("shape", lambda t: t.update({"model.layers.0.mixer.conv1d.weight": torch.zeros(256, 1, 3)})): (
+            "model.layers.0.mixer.conv1d.weight"
+        ),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD_ALL, str(good), *cases], capture_output=True, text=True, timeout=600
+    )
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS")]
+    assert line, f"loader script failed:\n{proc.stderr[-3000:]}"
+    results = json.loads(line[0].removeprefix("RESULTS"))
+    assert results[str(good)] == "loaded"
+    for ckpt, tensor_name in cases.items():
+        assert tensor_name in results[ckpt], f"{ckpt}: error does not name {tensor_name}: {results[ckpt]}"
