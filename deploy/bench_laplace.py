@@ -4,9 +4,14 @@ Run (from the repository root; about 4-6 minutes on a 2-core CPU machine)::
 
     .venv/bin/python deploy/bench_laplace.py
 
-Options: `--help`. `--full` benchmarks the true 3B geometry (spec §2); its random checkpoint alone
-needs ~18 GB of RAM to write and the run ~30 GB, so it needs a bigger machine than the 2-core, 24 GiB
-development boxes. `--state-only` prints part 2 without starting vLLM.
+Options: `--help`. `--full` benchmarks the true 3B geometry (spec §2): writing its random checkpoint
+peaks at ~18 GB of RAM (fp32 draws + bf16 copy), serving needs 6-12 GB, and on 2 cores each 4096-token
+prefill takes minutes, so it needs a bigger machine than the 2-core, 24 GiB development boxes.
+`--state-only` prints part 2 without starting vLLM (~15 s).
+
+dtype: `auto` picks bfloat16 only where the CPU has native bf16 matmul (AVX512-BF16 or AMX); on an
+AVX2-only CPU torch's bf16 GEMM runs ~8x slower than fp32 (seen: 9 vs 73 GFLOPS, 1 thread, AMD EPYC),
+which would make this run take ~20 minutes, so it uses float32 there.
 
 1. Decode time per output token for prompt lengths 512 and 4096 (design: ratio ~1.0, since a decode
    step is O(1) in context). One `vllm.LLM` serves a random Laplace demo checkpoint; one request at a
@@ -16,9 +21,11 @@ development boxes. `--state-only` prints part 2 without starting vLLM.
    runs. The lengths are interleaved ABBA-style (512, 4096, 4096, 512, ...) after one discarded
    warm-up request per length; reported: medians and the ratio of medians. Prefill time
    (first_token_ts - scheduled_ts) is reported alongside (expected ~x8, since chunked prefill is O(T)).
-2. Recurrent-state bytes per sequence (the plugin's own `LaplaceMixer.get_state_shape/get_state_dtype`
-   packed by vLLM's `MambaSpec`) vs a same-size Llama's KV cache at 8192 tokens (vLLM's
-   `FullAttentionSpec`, bf16, block 16), for the full 3B geometry and the benchmarked one.
+2. Recurrent-state bytes per sequence (the plugin's own state shapes/dtypes, i.e. what
+   `LaplaceMixer.get_state_shape/get_state_dtype` return, via `LaplaceForCausalLM.get_mamba_state_*_from_config`
+   on vLLM's resolved engine config, packed by vLLM's `MambaSpec`) vs a same-size Llama's KV cache at 8192
+   tokens (vLLM's `FullAttentionSpec`, bf16, block 16), for the full 3B geometry and the benchmarked one.
+   The decode run checks that vLLM's state pool holds exactly kv_cache_memory_bytes // these bytes pages.
 
 Results: a table on stdout and JSON (`--out`, default bench-out/bench_laplace.json). The machines are
 noisy: compare the ratios measured side by side in one run, not absolute seconds across runs.
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -35,7 +43,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 # Benchmarked geometry: the demo's structure scaled up as far as a 2-core machine allows in a few
@@ -80,14 +87,19 @@ MiB = 1 << 20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--full", action="store_true", help="true 3B geometry (needs a machine with >= ~48 GB RAM)")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--full", action="store_true", help="true 3B geometry (needs a bigger machine, see the description)")
     for flag, key in GEOMETRY_FLAGS.items():
         p.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, help=f"override {key}")
     p.add_argument("--lengths", type=int, nargs=2, default=[512, 4096], metavar=("SHORT", "LONG"))
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request (default 64)")
-    p.add_argument("--reps", type=int, default=5, help="measured requests per prompt length (default 5)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--reps", type=int, default=7, help="measured requests per prompt length (default 7)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="auto: bfloat16 where the CPU has native bf16 matmul (AVX512-BF16/AMX), else float32",
+    )
     p.add_argument("--kv-cache-bytes", type=int, default=512 * MiB, help="vLLM kv_cache_memory_bytes (state pool)")
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--enforce-eager", action="store_true", help="skip torch.compile (default: compiled)")
@@ -96,6 +108,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--state-only", action="store_true", help="only part 2 (no vLLM engine)")
     p.add_argument("--out", type=Path, default=Path("bench-out/bench_laplace.json"))
     return p.parse_args(argv)
+
+
+def cpu_info() -> dict[str, Any]:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return {
+        "model": model,
+        "cpus": os.cpu_count(),
+        "simd": simd,
+        "native_bf16": bool({"avx512_bf16", "amx_bf16"} & flags),
+    }
 
 
 def bench_geometry(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,34 +169,41 @@ def laplace_params(geo: dict[str, Any]) -> int:
 
 
 def laplace_state(geo: dict[str, Any], model_dtype: str) -> dict[str, Any]:
-    """Per-sequence state from the plugin's own mixer code, packed into pages by vLLM's MambaSpec."""
-    import torch
+    """Per-sequence state as vLLM sizes it: the plugin's state shapes/dtypes (the functions
+    LaplaceMixer.get_state_shape/get_state_dtype return) for vLLM's resolved engine config of a
+    config-only checkpoint, packed into one page by vLLM's MambaSpec."""
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import MambaSpec
 
+    from vllm_trn_plugin import register
     from vllm_trn_plugin.configs import LaplaceConfig
-    from vllm_trn_plugin.model_executors.laplace import LaplaceMixer
+    from vllm_trn_plugin.model_executors.laplace import LaplaceForCausalLM
 
+    register()
     cfg = LaplaceConfig(**geo)
-    # A real LaplaceMixer needs vLLM's tensor-parallel groups (its linear layers); the state methods
-    # read only these attributes, which LaplaceMixer.__init__ copies from the config.
-    mixer = SimpleNamespace(
-        hidden_size=cfg.hidden_size,
-        num_heads=cfg.num_heads,
-        head_k_dim=cfg.head_k_dim,
-        head_v_dim=cfg.head_v_dim,
-        conv_size=cfg.conv_size,
-        model_dtype=getattr(torch, model_dtype),
-    )
-    shapes = tuple(tuple(s) for s in LaplaceMixer.get_state_shape(mixer))
-    dtypes = tuple(LaplaceMixer.get_state_dtype(mixer))
-    spec = MambaSpec(shapes=shapes, dtypes=dtypes, block_size=LLAMA_CONTEXT)
+    cfg.architectures = ["LaplaceForCausalLM"]
+    with tempfile.TemporaryDirectory(prefix="bench-laplace-config-") as d:
+        (Path(d) / "config.json").write_text(json.dumps(cfg.to_dict()))
+        args = EngineArgs(
+            model=d,
+            max_model_len=LLAMA_CONTEXT,
+            dtype=model_dtype,
+            skip_tokenizer_init=True,
+            enable_prefix_caching=False,
+        )
+        vc = args.create_engine_config()
+    shapes = tuple(tuple(s) for s in LaplaceForCausalLM.get_mamba_state_shape_from_config(vc))
+    dtypes = tuple(LaplaceForCausalLM.get_mamba_state_dtype_from_config(vc))
+    spec = MambaSpec(shapes=shapes, dtypes=dtypes, block_size=vc.cache_config.mamba_block_size)
     per_layer = spec.page_size_bytes
+    layers = vc.model_config.hf_config.num_hidden_layers
     return {
-        "layers": cfg.num_hidden_layers,
+        "layers": layers,
         "state_shapes": [list(s) for s in shapes],
         "state_dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+        "state_block_tokens": vc.cache_config.mamba_block_size,
         "bytes_per_layer": per_layer,
-        "bytes_per_sequence": per_layer * cfg.num_hidden_layers,
+        "bytes_per_sequence": per_layer * layers,
     }
 
 
@@ -295,6 +335,12 @@ def run_decode_bench(args: argparse.Namespace, geo: dict[str, Any]) -> dict[str,
         }
 
     s, lg = summary(short), summary(long_)
+    # Each ABBA half (runs 2i, 2i+1) holds one request of each length, measured back to back: their ratio is
+    # the least exposed to the machine's drift.
+    pair_ratios = []
+    for a, b in zip(runs[::2], runs[1::2]):
+        by_len = {a["prompt_len"]: a["decode_s_per_token"], b["prompt_len"]: b["decode_s_per_token"]}
+        pair_ratios.append(by_len[long_] / by_len[short])
     if tmp is not None:
         tmp.cleanup()
     return {
@@ -306,6 +352,8 @@ def run_decode_bench(args: argparse.Namespace, geo: dict[str, Any]) -> dict[str,
         "long": lg,
         "decode_ratio_long_over_short": lg["decode_ms_per_token_median"] / s["decode_ms_per_token_median"],
         "prefill_ratio_long_over_short": lg["prefill_s_median"] / s["prefill_s_median"],
+        "decode_pair_ratios": pair_ratios,
+        "decode_pair_ratio_median": statistics.median(pair_ratios),
     }
 
 
@@ -355,6 +403,11 @@ def print_decode(d: dict[str, Any], args: argparse.Namespace) -> None:
         f"(design: ~1.0, O(1) in context); prefill {d['prefill_ratio_long_over_short']:.2f} "
         f"(O(T) would be {ll / sl:.0f})"
     )
+    pr = d["decode_pair_ratios"]
+    print(
+        f"decode ratio per adjacent pair: median {d['decode_pair_ratio_median']:.3f}, "
+        f"range {min(pr):.3f}-{max(pr):.3f} ({len(pr)} pairs)"
+    )
     print(
         "per request (ms/token): "
         + ", ".join(f"{r['prompt_len']}:{1e3 * r['decode_s_per_token']:.2f}" for r in d["runs"])
@@ -363,7 +416,8 @@ def print_decode(d: dict[str, Any], args: argparse.Namespace) -> None:
 
 def print_state(comparisons: list[dict[str, Any]]) -> None:
     print(f"\n== 2. State bytes per sequence: Laplace (fixed) vs same-size Llama KV cache at {LLAMA_CONTEXT} tokens")
-    print("Laplace: LaplaceMixer.get_state_shape/get_state_dtype packed by vLLM MambaSpec (one page per sequence);")
+    print("Laplace: the plugin's state shapes/dtypes (LaplaceMixer.get_state_shape/get_state_dtype) for vLLM's engine")
+    print("  config, packed by vLLM's MambaSpec: one fixed page per sequence, whatever the context;")
     print(
         f"Llama: vLLM FullAttentionSpec, bf16 K and V, head_dim {LLAMA_HEAD_DIM}, block {LLAMA_BLOCK}, same D, layers."
     )
@@ -391,9 +445,17 @@ def main(argv: list[str] | None = None) -> None:
     geo = bench_geometry(args)
     if geo["num_heads"] % geo["num_decay_tiers"]:
         raise SystemExit(f"--heads {geo['num_heads']} is not divisible by --decay-tiers {geo['num_decay_tiers']}")
+    cpu = cpu_info()
+    dtype_note = ""
+    if args.dtype == "auto":
+        # Without AVX512-BF16/AMX, torch's bf16 GEMM is emulated: measured ~8x slower than fp32 on an AVX2 EPYC.
+        args.dtype = "bfloat16" if cpu["native_bf16"] else "float32"
+        dtype_note = (
+            " (auto: " + ("native bf16 matmul" if cpu["native_bf16"] else "no native bf16 matmul on this CPU") + ")"
+        )
     model_dtype = args.dtype
     result: dict[str, Any] = {
-        "host": {"machine": platform.machine(), "python": sys.version.split()[0]},
+        "host": {**cpu, "python": sys.version.split()[0]},
         "bench_geometry": geo,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }
@@ -404,7 +466,8 @@ def main(argv: list[str] | None = None) -> None:
     bench_state_bytes = comparisons[-1]["laplace"]["bytes_per_sequence"]
 
     print("== Laplace benchmark")
-    print(f"benchmarked geometry: {geo_line(geo)}; dtype {args.dtype}")
+    print(f"host: {cpu['model']}, {cpu['cpus']} CPUs, SIMD {'/'.join(cpu['simd']) or '?'}")
+    print(f"benchmarked geometry: {geo_line(geo)}; dtype {args.dtype}{dtype_note}")
     if not args.state_only:
         import vllm
 

@@ -115,13 +115,14 @@ def write_laplace_demo(
     if config.vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size={config.vocab_size}: the byte tokenizer needs at least 259")
     config.architectures = ["LaplaceForCausalLM"]
-    config.torch_dtype = str(dtype).removeprefix("torch.")
+    dtype_name = str(dtype).removeprefix("torch.")
     config.eos_token_id = 256 + SPECIAL_TOKENS.index("<|im_end|>")
     config.pad_token_id = 256 + SPECIAL_TOKENS.index("<|endoftext|>")
     tensors = random_laplace_weights(config, seed)
     save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
     cfg = config.to_dict()
-    cfg["dtype"] = cfg.pop("torch_dtype", None) or config.torch_dtype
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = dtype_name
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     write_byte_tokenizer(out)
     return out
