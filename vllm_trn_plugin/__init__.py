@@ -8,6 +8,7 @@ from __future__ import annotations
 
 ARCHITECTURES = {
     "LaplaceForCausalLM": "vllm_trn_plugin.model_executors.laplace:LaplaceForCausalLM",
+    "TrinityMLAForCausalLM": "vllm_trn_plugin.model_executors.trinity_mla:TrinityMLAForCausalLM",
 }
 
 _registered = False

@@ -61,13 +61,10 @@ def serve(argv: list[str]) -> None:
 def demo(args: argparse.Namespace) -> None:
     import torch
 
-    from vllm_trn_plugin.demo import write_laplace_demo
+    from vllm_trn_plugin.demo import write_laplace_demo, write_trinity_demo
 
-    dtype = getattr(torch, args.dtype)
-    if args.model == "laplace":
-        out = write_laplace_demo(args.dir, seed=args.seed, dtype=dtype)
-    else:  # argparse restricts choices
-        raise AssertionError(args.model)
+    writer = {"laplace": write_laplace_demo, "mla-trinity": write_trinity_demo}[args.model]
+    out = writer(args.dir, seed=args.seed, dtype=getattr(torch, args.dtype))
     print(f"wrote a random {args.model} checkpoint to {out}; serve it with: vllm-trn serve {out}")
 
 
@@ -79,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="vllm-trn", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="write a small random checkpoint with an offline tokenizer")
-    d.add_argument("model", choices=["laplace"])
+    d.add_argument("model", choices=["laplace", "mla-trinity"])
     d.add_argument("dir")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")

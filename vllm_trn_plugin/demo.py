@@ -126,3 +126,102 @@ def write_laplace_demo(
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     write_byte_tokenizer(out)
     return out
+
+
+TRINITY_DEMO = dict(
+    vocab_size=259,
+    hidden_size=512,
+    intermediate_size=1024,
+    moe_intermediate_size=128,
+    num_hidden_layers=4,
+    num_dense_layers=1,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    kv_lora_rank=256,
+    num_experts=8,
+    num_experts_per_tok=2,
+    num_shared_experts=1,
+    route_scale=2.826,
+    route_norm=True,
+    score_func="sigmoid",
+    n_group=1,
+    topk_group=1,
+    sliding_window=128,
+    layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    mup_enabled=True,
+    max_position_embeddings=8192,
+)
+
+
+def random_trinity_weights(config: Any, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random fp32 tensors under MLA-Trinity's checkpoint names (spec §3: transformers' AFMoE names,
+    kv_a_proj/kv_b_proj on full-attention layers, one tensor per expert)."""
+    g = torch.Generator().manual_seed(seed)
+    D, H, Hkv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    r, V = config.kv_lora_rank, config.vocab_size
+
+    def randn(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std + mean
+
+    def mlp(prefix: str, inner: int) -> dict[str, torch.Tensor]:
+        return {
+            prefix + "gate_proj.weight": randn(inner, D, std=D**-0.5),
+            prefix + "up_proj.weight": randn(inner, D, std=D**-0.5),
+            prefix + "down_proj.weight": randn(D, inner, std=inner**-0.5),
+        }
+
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(V, D, std=D**-0.5)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        t[a + "q_proj.weight"] = randn(H * hd, D, std=D**-0.5)
+        if config.layer_types[i] == "full_attention":
+            t[a + "kv_a_proj.weight"] = randn(r, D, std=D**-0.5)
+            t[a + "kv_b_proj.weight"] = randn(2 * Hkv * hd, r, std=r**-0.5)
+        else:
+            t[a + "k_proj.weight"] = randn(Hkv * hd, D, std=D**-0.5)
+            t[a + "v_proj.weight"] = randn(Hkv * hd, D, std=D**-0.5)
+        t[a + "o_proj.weight"] = randn(D, H * hd, std=(H * hd) ** -0.5)
+        t[a + "gate_proj.weight"] = randn(H * hd, D, std=D**-0.5)
+        t[a + "q_norm.weight"] = randn(hd, std=0.1, mean=1.0)
+        t[a + "k_norm.weight"] = randn(hd, std=0.1, mean=1.0)
+        for n in ("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm", "post_mlp_layernorm"):
+            t[p + n + ".weight"] = randn(D, std=0.1, mean=1.0)
+        if i < config.num_dense_layers:
+            t.update(mlp(p + "mlp.", config.intermediate_size))
+        else:
+            E = config.num_experts
+            t[p + "mlp.router.gate.weight"] = randn(E, D, std=D**-0.5)
+            t[p + "mlp.expert_bias"] = randn(E, std=0.1)
+            t.update(mlp(p + "mlp.shared_experts.", config.moe_intermediate_size * config.num_shared_experts))
+            for e in range(E):
+                t.update(mlp(p + f"mlp.experts.{e}.", config.moe_intermediate_size))
+    t["model.norm.weight"] = randn(D, std=0.1, mean=1.0)
+    t["lm_head.weight"] = randn(V, D, std=4 * D**-0.5)
+    return t
+
+
+def write_trinity_demo(
+    out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16, **overrides: Any
+) -> Path:
+    """Write a random MLA-Trinity checkpoint: real head geometry (128-dim heads, 32 q / 4 KV, latent
+    256, [S, S, S, F] layers), few layers and experts."""
+    from transformers import AfmoeConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = AfmoeConfig(**{**TRINITY_DEMO, **overrides})
+    config.architectures = ["TrinityMLAForCausalLM"]
+    config.eos_token_id = 256 + SPECIAL_TOKENS.index("<|im_end|>")
+    config.pad_token_id = 256 + SPECIAL_TOKENS.index("<|endoftext|>")
+    tensors = random_trinity_weights(config, seed)
+    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    cfg = config.to_dict()
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    write_byte_tokenizer(out)
+    return out
