@@ -103,14 +103,32 @@ class Server:
     log: Path
 
 
-@pytest.fixture(scope="session")
-def laplace_server(tmp_path_factory: pytest.TempPathFactory) -> Server:
-    """`vllm-trn serve` on the default (bf16) demo checkpoint, eager mode (the engine fixture covers
-    compiled mode)."""
-    root = tmp_path_factory.mktemp("server")
-    ckpt = root / "demo-laplace"
+class _Servers:
+    """`vllm-trn serve` per demo model, started on first use and shared by the whole session."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.running = root, {}
+
+    def get(self, model: str) -> Server:
+        if model not in self.running:
+            self.running[model] = _start_server(self.root / model, model)
+        return self.running[model]
+
+    def stop(self) -> None:
+        for s in self.running.values():
+            s.proc.terminate()
+            try:
+                s.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                s.proc.kill()
+
+
+def _start_server(root: Path, model: str) -> Server:
+    """The default (bf16) demo checkpoint, eager mode (the engine tests cover compiled mode)."""
+    root.mkdir(parents=True)
+    ckpt = root / f"demo-{model}"
     vllm_trn = str(Path(sys.executable).parent / "vllm-trn")  # the installed console command
-    subprocess.run([vllm_trn, "demo", "laplace", str(ckpt)], check=True)
+    subprocess.run([vllm_trn, "demo", model, str(ckpt)], check=True)
     port = _free_port()
     log = root / "server.log"
     cmd = [vllm_trn, "serve", str(ckpt), "--port", str(port)]
@@ -124,16 +142,17 @@ def laplace_server(tmp_path_factory: pytest.TempPathFactory) -> Server:
             pytest.fail(f"vllm-trn serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
         try:
             if requests.get(url + "/health", timeout=2).status_code == 200:
-                break
+                return Server(url, str(ckpt), proc, log)
         except requests.ConnectionError:
             pass
         if time.time() > deadline:
             proc.kill()
             pytest.fail(f"vllm-trn serve did not become healthy in 600 s:\n{log.read_text()[-4000:]}")
         time.sleep(1)
-    yield Server(url, str(ckpt), proc, log)
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> _Servers:
+    s = _Servers(tmp_path_factory.mktemp("servers"))
+    yield s
+    s.stop()

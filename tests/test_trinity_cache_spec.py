@@ -83,7 +83,7 @@ CHILD = textwrap.dedent(
         def emit(self, record):
             records.append((record.levelname, record.getMessage()))
 
-    logging.getLogger("vllm").addHandler(Capture())
+    CAPTURE = Capture()
 
     def config(ckpt):
         return EngineArgs(
@@ -117,6 +117,8 @@ CHILD = textwrap.dedent(
 
     def group(vc, specs, backends):
         # vllm/v1/engine/core.py EngineCore._initialize_kv_caches, one worker, BUDGET bytes.
+        # vLLM re-applies its logging dictConfig (dropping foreign handlers) whenever it builds a config.
+        logging.getLogger("vllm").addHandler(CAPTURE)
         first = len(records)
         register_all_kvcache_specs(vc)
         layouts = [layout.name for layout in get_supported_kv_cache_layouts(backends)]

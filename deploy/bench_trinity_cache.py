@@ -1,0 +1,461 @@
+"""KV cache capacity of MLA-Trinity vs vLLM's built-in AFMoE at Trinity-Mini geometry, by vLLM's own arithmetic.
+
+Run (from the repository root; ~20 s, no weights, no engine)::
+
+    .venv/bin/python deploy/bench_trinity_cache.py
+
+Add the real-engine check on a small geometry (two `vllm.LLM` start-ups, ~2-4 min on a 2-core machine)::
+
+    .venv/bin/python deploy/bench_trinity_cache.py --engine
+
+Options: `--help`. Results: tables on stdout and JSON (`--out`, default bench-out/bench_trinity_cache.json).
+
+1. Theory (spec §1; bf16; per sequence at context L, sliding layers hold only their window W = 2048):
+   24 sliding layers x min(L, W) x 2048 B (4 KV heads x 128 x K,V x 2 B) + 8 global layers x L x
+   (512 B latent for MLA-Trinity | 2048 B K+V for AFMoE). At L = 32768: 224 MiB vs 608 MiB per sequence,
+   ratio 2.71x; max concurrency = budget / that.
+2. vLLM's figures at the full geometry (hidden 2048, 32 layers [S,S,S,F] x 8, 128 experts, ...): both models
+   are built on the `meta` device from a config.json alone (vLLM's distributed state initialised in this
+   process); every layer's spec is collected as the model runner does (`get_kv_cache_spec` of each
+   `AttentionLayerBase` in `static_forward_context`, then `customize_attention_spec`), and grouped and sized
+   by `vllm.v1.core.kv_cache_utils.get_kv_cache_configs` for the given budget (the engine core's
+   `_initialize_kv_caches`). Max concurrency is `get_max_concurrency_for_kv_cache_config`, the number vLLM
+   logs as "Maximum concurrency for N tokens per request". vLLM reserves, per sliding layer and request,
+   window - 1 + max_in_flight_tokens (= max_num_batched_tokens without async scheduling) tokens, rounded up
+   to blocks, + 1 block, so its ratio is lower than the window-only theory and depends on
+   `--max-num-batched-tokens` (one row per value).
+3. `--engine`: the demo geometry (`vllm_trn_plugin.demo.write_trinity_demo`, float32: 4 layers [S,S,S,F],
+   window 128, 32 q / 4 KV heads x 128, latent 256) served by `vllm.LLM` twice, as TrinityMLAForCausalLM
+   (the demo's random weights) and as the built-in AfmoeForCausalLM (same config.json without kv_lora_rank,
+   `load_format="dummy"`), same kv_cache_memory_bytes and max_model_len; each engine runs in its own
+   process and its log line "CPU KV cache size: N tokens, Maximum concurrency for L tokens per request: Xx"
+   is parsed and compared with part 2's arithmetic on the same small configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+GiB = 1 << 30
+MiB = 1 << 20
+FALLBACK_WARNINGS = ("treating sliding-window layers as full attention", "Hybrid KV cache manager is disabled")
+
+# Trinity-Mini's public geometry (spec §1); MLA-Trinity adds kv_lora_rank.
+TRINITY_MINI: dict[str, Any] = dict(
+    vocab_size=200192,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=1024,
+    num_hidden_layers=32,
+    num_dense_layers=2,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    num_shared_experts=1,
+    route_scale=2.826,
+    route_norm=True,
+    score_func="sigmoid",
+    n_group=1,
+    topk_group=1,
+    sliding_window=2048,
+    layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 8,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    mup_enabled=True,
+    max_position_embeddings=131072,
+)
+KV_LORA_RANK = 256
+MODELS = {"mla": "TrinityMLAForCausalLM", "afmoe": "AfmoeForCausalLM"}
+LABEL = {"mla": "MLA-Trinity", "afmoe": "AFMoE (built-in)"}
+ENGINE_LOG = re.compile(
+    r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x"
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--budgets-gib", type=float, nargs="+", default=[16, 64], help="cache budgets (default 16 64)")
+    p.add_argument("--context", type=int, default=32768, help="tokens per request = max_model_len (default 32768)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        nargs="+",
+        default=[2048, 8192],
+        help="vLLM scheduler token budgets, one row each (default 2048 8192: CPU / H100 server defaults)",
+    )
+    p.add_argument("--engine", action="store_true", help="also start two small real engines (~2-4 min)")
+    p.add_argument("--engine-budget-mib", type=int, default=256, help="engine kv_cache_memory_bytes (MiB)")
+    p.add_argument("--engine-max-model-len", type=int, default=4096)
+    p.add_argument("--engine-max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--out", type=Path, default=Path("bench-out/bench_trinity_cache.json"))
+    p.add_argument(
+        "--engine-child", nargs=5, metavar=("DIR", "LOAD_FORMAT", "BUDGET", "LEN", "MNBT"), help=argparse.SUPPRESS
+    )
+    return p.parse_args(argv)
+
+
+# --- 1. theory --------------------------------------------------------------------------------------------
+
+
+def theory(geo: dict[str, Any], context: int, dtype_bytes: int = 2) -> dict[str, Any]:
+    n_slide = sum(t == "sliding_attention" for t in geo["layer_types"])
+    n_glob = len(geo["layer_types"]) - n_slide
+    kv = geo["num_key_value_heads"] * geo["head_dim"] * 2 * dtype_bytes  # K and V of all KV heads, per token
+    latent = KV_LORA_RANK * dtype_bytes
+    window = min(context, geo["sliding_window"])
+    out: dict[str, Any] = {"sliding_layers": n_slide, "global_layers": n_glob, "window_tokens": window}
+    for name, glob in (("mla", latent), ("afmoe", kv)):
+        out[name] = {
+            "sliding_layer_bytes_per_token": kv,
+            "global_layer_bytes_per_token": glob,
+            "bytes_per_token_inside_window": n_slide * kv + n_glob * glob,
+            "bytes_per_token_beyond_window": n_glob * glob,
+            "bytes_per_sequence": n_slide * window * kv + n_glob * context * glob,
+        }
+    out["ratio"] = out["afmoe"]["bytes_per_sequence"] / out["mla"]["bytes_per_sequence"]
+    return out
+
+
+# --- 2. vLLM's own spec collection, grouping and sizing ----------------------------------------------------
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+CAPTURE = _Capture()
+
+
+def write_config(out: Path, arch: str, geo: dict[str, Any], dtype: str) -> str:
+    from transformers import AfmoeConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = AfmoeConfig(**geo)
+    config.architectures = [arch]
+    cfg = config.to_dict()
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return str(out)
+
+
+def engine_config(ckpt: str, dtype: str, max_model_len: int, mnbt: int):  # noqa: ANN201
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=ckpt,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=mnbt,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+    ).create_engine_config()
+
+
+_dist_ready = False
+
+
+def collect_specs(vc) -> tuple[dict, list]:  # noqa: ANN001
+    """Build the model on `meta`; each AttentionLayerBase's spec as GPUModelRunner.get_kv_cache_spec makes it."""
+    import torch
+    from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.worker.utils import customize_attention_spec
+
+    global _dist_ready
+    if not _dist_ready:
+        with set_current_vllm_config(vc):
+            init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, "gloo")
+            ensure_model_parallel_initialized(1, 1)
+        _dist_ready = True
+    cls, _ = get_model_architecture(vc.model_config)
+    with set_current_vllm_config(vc), torch.device("meta"):
+        cls(vllm_config=vc)
+    layers = get_layers_from_vllm_config(vc, AttentionLayerBase)
+    specs = {}
+    for name, layer in layers.items():
+        spec = layer.get_kv_cache_spec(vc)
+        if spec:
+            if isinstance(spec, AttentionSpec):
+                spec = customize_attention_spec(layer.get_attn_backend(), spec)
+            specs[name] = spec
+    return specs, [layer.get_attn_backend() for layer in layers.values()]
+
+
+def size_cache(vc, specs: dict, backends: list, budget: int) -> dict[str, Any]:  # noqa: ANN001
+    """EngineCore._initialize_kv_caches for one worker with `budget` bytes: layout, groups, blocks, concurrency."""
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+    from vllm.v1.core import kv_cache_utils as kcu
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+    logging.getLogger("vllm").addHandler(CAPTURE)  # vLLM's dictConfig drops foreign handlers on every config
+    first = len(CAPTURE.messages)
+    register_all_kvcache_specs(vc)
+    layouts = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
+    layout = resolve_kv_cache_layout(vc, [layouts], specs.values())
+    configs = kcu.get_kv_cache_configs(vc, [dict(specs)], [budget])
+    sched = kcu.generate_scheduler_kv_cache_config(configs)
+    groups = []
+    for g in sched.kv_cache_groups:
+        s = g.kv_cache_spec
+        groups.append(
+            {
+                "type": type(s).__name__,
+                "layers": len(g.layer_names),
+                "first_layer": g.layer_names[0],
+                "block_size": s.block_size,
+                "page_bytes_per_layer": s.page_size_bytes,
+                "sliding_window": getattr(s, "sliding_window", None),
+                "blocks_per_request": kcu.cdiv(s.max_memory_usage_bytes(vc), s.page_size_bytes),
+            }
+        )
+    blocks_per_request = sum(g["blocks_per_request"] for g in groups)
+    return {
+        "layout": layout.name,
+        "max_in_flight_tokens": vc.max_in_flight_tokens,
+        "num_blocks": sched.num_blocks,
+        "block_bytes": budget // sched.num_blocks if sched.num_blocks else 0,
+        "groups": groups,
+        "blocks_per_request": blocks_per_request,
+        "max_concurrency": kcu.get_max_concurrency_for_kv_cache_config(vc, sched),
+        "kv_cache_size_tokens": kcu.get_kv_cache_capacity(vc, sched)[0],
+        "warnings": CAPTURE.messages[first:],
+    }
+
+
+def spec_bytes(specs: dict, context: int) -> dict[str, Any]:
+    """Per-token bytes from the per-layer specs; per sequence counting only the window on sliding layers."""
+    per_layer = {}
+    seq = inside = beyond = 0
+    for name, s in specs.items():
+        b = s.page_size_bytes // s.block_size
+        window = getattr(s, "sliding_window", None)
+        per_layer[name] = {"type": type(s).__name__, "bytes_per_token": b, "sliding_window": window}
+        inside += b
+        beyond += 0 if window else b
+        seq += b * (min(window, context) if window else context)
+    kinds = {}
+    for v in per_layer.values():
+        kinds.setdefault(v["type"], set()).add(v["bytes_per_token"])
+    return {
+        "bytes_per_token_by_spec": {k: sorted(v) for k, v in kinds.items()},
+        "bytes_per_token_inside_window": inside,
+        "bytes_per_token_beyond_window": beyond,
+        "bytes_per_sequence": seq,
+    }
+
+
+def vllm_figures(
+    root: Path, geo: dict[str, Any], dtype: str, context: int, budgets: list[int], mnbts: list[int]
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, arch in MODELS.items():
+        extra = {"kv_lora_rank": KV_LORA_RANK} if key == "mla" else {}
+        ckpt = write_config(root / key, arch, {**geo, **extra}, dtype)
+        specs, backends = collect_specs(engine_config(ckpt, dtype, context, mnbts[0]))
+        rows = []
+        for mnbt in mnbts:
+            for budget in budgets:
+                vc = engine_config(ckpt, dtype, context, mnbt)
+                rows.append(
+                    {"budget": budget, "max_num_batched_tokens": mnbt, **size_cache(vc, specs, backends, budget)}
+                )
+        out[key] = {"arch": arch, "spec_bytes": spec_bytes(specs, context), "rows": rows}
+    return out
+
+
+# --- 3. real engines on the demo geometry ------------------------------------------------------------------
+
+
+def engine_child(ckpt: str, load_format: str, budget: int, max_model_len: int, mnbt: int) -> None:
+    from vllm import LLM
+
+    LLM(
+        model=ckpt,
+        dtype="float32",
+        max_model_len=max_model_len,
+        max_num_batched_tokens=mnbt,
+        kv_cache_memory_bytes=budget,
+        enforce_eager=True,
+        load_format=load_format,
+        seed=0,
+    )
+    print("ENGINE_READY", flush=True)
+
+
+def write_demo_pair(root: Path) -> dict[str, str]:
+    import torch
+
+    from vllm_trn_plugin.demo import write_trinity_demo
+
+    mla = write_trinity_demo(root / "mla", dtype=torch.float32)
+    afmoe = write_trinity_demo(root / "afmoe", dtype=torch.float32)
+    cfg = json.loads((afmoe / "config.json").read_text())
+    cfg["architectures"] = ["AfmoeForCausalLM"]
+    del cfg["kv_lora_rank"]
+    (afmoe / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    (afmoe / "model.safetensors").unlink()  # its tensor names are MLA-Trinity's; served with dummy weights
+    return {"mla": str(mla), "afmoe": str(afmoe)}
+
+
+def run_engines(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    budget, length, mnbt = args.engine_budget_mib * MiB, args.engine_max_model_len, args.engine_max_num_batched_tokens
+    dirs = write_demo_pair(root)
+    out: dict[str, Any] = {"budget": budget, "max_model_len": length, "max_num_batched_tokens": mnbt}
+    for key, ckpt in dirs.items():
+        specs, backends = collect_specs(engine_config(ckpt, "float32", length, mnbt))
+        predicted = size_cache(engine_config(ckpt, "float32", length, mnbt), specs, backends, budget)
+        load_format = "auto" if key == "mla" else "dummy"
+        cmd = [sys.executable, __file__, "--engine-child", ckpt, load_format, str(budget), str(length), str(mnbt)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+        log = proc.stdout + proc.stderr
+        m = ENGINE_LOG.search(log)
+        groups = re.search(r"kv cache group sizes \(([^)]*)\)", log)
+        if proc.returncode != 0 or m is None or "ENGINE_READY" not in proc.stdout:
+            raise RuntimeError(f"{key} engine failed (rc {proc.returncode}):\n{log[-4000:]}")
+        out[key] = {
+            "engine_tokens": int(m.group(1).replace(",", "")),
+            "engine_max_concurrency": float(m.group(3)),
+            "engine_group_block_sizes": groups.group(1) if groups else None,
+            "engine_fallback_warning": any(w in log for w in FALLBACK_WARNINGS),
+            "engine_seconds": time.perf_counter() - t0,
+            "predicted": predicted,
+        }
+    out["engine_ratio"] = out["mla"]["engine_max_concurrency"] / out["afmoe"]["engine_max_concurrency"]
+    out["predicted_ratio"] = out["mla"]["predicted"]["max_concurrency"] / out["afmoe"]["predicted"]["max_concurrency"]
+    return out
+
+
+# --- report ------------------------------------------------------------------------------------------------
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / MiB:,.1f} MiB" if n >= MiB else f"{n:,.0f} B"
+
+
+def report(res: dict[str, Any], args: argparse.Namespace) -> None:
+    th, vf, ctx = res["theory"], res["vllm"], args.context
+    print(f"\n== Per-token cache bytes, Trinity-Mini geometry, bf16, context {ctx} (sliding layers: window only) ==")
+    print(
+        f"{'':18}{'sliding layer':>14}{'global layer':>13}{'token in window':>17}{'token beyond':>14}"
+        f"{'per sequence':>18}{'avg/token':>11}"
+    )
+    for key in MODELS:
+        t, s = th[key], vf[key]["spec_bytes"]
+        assert t["bytes_per_sequence"] == s["bytes_per_sequence"], (t, s)  # theory == vLLM's per-layer specs
+        print(
+            f"{LABEL[key]:18}{t['sliding_layer_bytes_per_token']:>14,}{t['global_layer_bytes_per_token']:>13,}"
+            f"{s['bytes_per_token_inside_window']:>17,}{s['bytes_per_token_beyond_window']:>14,}"
+            f"{fmt_bytes(s['bytes_per_sequence']):>18}{s['bytes_per_sequence'] / ctx:>11,.0f}"
+        )
+    print(
+        f"theory per sequence: {th['sliding_layers']} x {th['window_tokens']} x 2048 B + {th['global_layers']} x "
+        f"{ctx} x (512 | 2048) B; ratio {th['ratio']:.3f}x (vLLM's per-layer specs give the same bytes)"
+    )
+    for key in MODELS:
+        print(f"  {LABEL[key]} spec bytes/token/layer: {vf[key]['spec_bytes']['bytes_per_token_by_spec']}")
+
+    print("\n== vLLM's grouping (first row's config) ==")
+    for key in MODELS:
+        r = vf[key]["rows"][0]
+        print(
+            f"{LABEL[key]}: layout {r['layout']}, {len(r['groups'])} groups, block = {fmt_bytes(r['block_bytes'])} "
+            f"in the shared pool"
+        )
+        for g in r["groups"]:
+            sw = f", window {g['sliding_window']}" if g["sliding_window"] else ""
+            print(
+                f"  {g['type']:18} {g['layers']} layers (from {g['first_layer']}), block_size {g['block_size']} "
+                f"tokens, page {fmt_bytes(g['page_bytes_per_layer'])}/layer{sw}, "
+                f"{g['blocks_per_request']} blocks/request at {ctx}"
+            )
+        fallback = [w for row in vf[key]["rows"] for w in row["warnings"] if any(f in w for f in FALLBACK_WARNINGS)]
+        print(f"  full-attention fallback warnings: {len(fallback)}")
+
+    print(f"\n== Maximum concurrency for {ctx} tokens per request (vLLM: get_max_concurrency_for_kv_cache_config) ==")
+    print(
+        f"{'budget':>8}{'max_batched':>12}{'in-flight':>10}{'blocks':>8}{'MLA blk/req':>12}{'AFMoE blk/req':>14}"
+        f"{'MLA':>9}{'AFMoE':>9}{'ratio':>8}  |{'theory MLA':>11}{'AFMoE':>8}{'ratio':>8}"
+    )
+    for rm, ra in zip(vf["mla"]["rows"], vf["afmoe"]["rows"]):
+        budget = rm["budget"]
+        tm = budget / th["mla"]["bytes_per_sequence"]
+        ta = budget / th["afmoe"]["bytes_per_sequence"]
+        cm, ca = rm["max_concurrency"], ra["max_concurrency"]
+        print(
+            f"{budget / GiB:>6.0f}Gi{rm['max_num_batched_tokens']:>12}{rm['max_in_flight_tokens']:>10}"
+            f"{rm['num_blocks']:>8}{rm['blocks_per_request']:>12}{ra['blocks_per_request']:>14}"
+            f"{cm:>9.2f}{ca:>9.2f}{cm / ca:>7.2f}x"
+            f"  |{tm:>11.2f}{ta:>8.2f}{tm / ta:>7.2f}x"
+        )
+
+    if "engine" in res:
+        e = res["engine"]
+        print(
+            f"\n== Real engines, demo geometry (float32, window 128, 4 layers), kv_cache_memory_bytes "
+            f"{fmt_bytes(e['budget'])}, max_model_len {e['max_model_len']}, "
+            f"max_num_batched_tokens {e['max_num_batched_tokens']} =="
+        )
+        for key in MODELS:
+            x = e[key]
+            p = x["predicted"]
+            print(
+                f"{LABEL[key]:18} logged: {x['engine_tokens']:>9,} tokens, {x['engine_max_concurrency']:.2f}x "
+                f"(groups' block sizes {x['engine_group_block_sizes']}; fallback warning: "
+                f"{x['engine_fallback_warning']}; {x['engine_seconds']:.0f} s) | computed: "
+                f"{p['kv_cache_size_tokens']:,} tokens, {p['max_concurrency']:.2f}x"
+            )
+        print(f"ratio: engine {e['engine_ratio']:.3f}x, computed {e['predicted_ratio']:.3f}x")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.engine_child:
+        ckpt, load_format, budget, length, mnbt = args.engine_child
+        engine_child(ckpt, load_format, int(budget), int(length), int(mnbt))
+        return
+    from vllm_trn_plugin import register
+
+    register()
+    t0 = time.perf_counter()
+    budgets = [int(b * GiB) for b in args.budgets_gib]
+    res: dict[str, Any] = {"context": args.context, "theory": theory(TRINITY_MINI, args.context)}
+    with tempfile.TemporaryDirectory() as d:
+        res["vllm"] = vllm_figures(
+            Path(d) / "full", TRINITY_MINI, "bfloat16", args.context, budgets, args.max_num_batched_tokens
+        )
+        if args.engine:
+            res["engine"] = run_engines(args, Path(d) / "demo")
+    res["seconds"] = time.perf_counter() - t0
+    report(res, args)
+    print(f"\ntotal {res['seconds']:.0f} s")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=2, default=str) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
