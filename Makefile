@@ -1,6 +1,7 @@
 # Two commands do all the set-up: `make serve` and `make test` (see README).
 VENV ?= .venv
-DEMO ?= demo-laplace
+DEMO_MODEL ?= laplace
+DEMO ?= demo-$(DEMO_MODEL)
 MODEL ?= $(DEMO)
 PORT ?= 8000
 PYTEST_ARGS ?=
@@ -11,7 +12,7 @@ $(VENV)/.setup-done: pyproject.toml deploy/setup.sh
 setup: $(VENV)/.setup-done
 
 $(DEMO)/config.json: | $(VENV)/.setup-done
-	$(VENV)/bin/vllm-trn demo laplace $(DEMO)
+	$(VENV)/bin/vllm-trn demo $(DEMO_MODEL) $(DEMO)
 
 serve: $(VENV)/.setup-done $(if $(filter $(DEMO),$(MODEL)),$(DEMO)/config.json)
 	$(VENV)/bin/vllm-trn serve $(MODEL) --port $(PORT) $(SERVE_ARGS)
