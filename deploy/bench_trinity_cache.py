@@ -1,10 +1,10 @@
 """KV cache capacity of MLA-Trinity vs vLLM's built-in AFMoE at Trinity-Mini geometry, by vLLM's own arithmetic.
 
-Run (from the repository root; ~20 s, no weights, no engine)::
+Run (from the repository root; ~15 s, no weights, no engine)::
 
     .venv/bin/python deploy/bench_trinity_cache.py
 
-Add the real-engine check on a small geometry (two `vllm.LLM` start-ups, ~2-4 min on a 2-core machine)::
+Add the real-engine check on a small geometry (two `vllm.LLM` start-ups, ~2 min more on a 2-core machine)::
 
     .venv/bin/python deploy/bench_trinity_cache.py --engine
 
@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[2048, 8192],
         help="vLLM scheduler token budgets, one row each (default 2048 8192: CPU / H100 server defaults)",
     )
-    p.add_argument("--engine", action="store_true", help="also start two small real engines (~2-4 min)")
+    p.add_argument("--engine", action="store_true", help="also start two small real engines (~2 min)")
     p.add_argument("--engine-budget-mib", type=int, default=256, help="engine kv_cache_memory_bytes (MiB)")
     p.add_argument("--engine-max-model-len", type=int, default=4096)
     p.add_argument("--engine-max-num-batched-tokens", type=int, default=256)
@@ -344,6 +344,11 @@ def run_engines(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "engine_seconds": time.perf_counter() - t0,
             "predicted": predicted,
         }
+    out["engine_matches_computed"] = all(
+        out[k]["engine_tokens"] == out[k]["predicted"]["kv_cache_size_tokens"]
+        and abs(out[k]["engine_max_concurrency"] - out[k]["predicted"]["max_concurrency"]) < 0.006  # logged %.2f
+        for k in dirs
+    )
     out["engine_ratio"] = out["mla"]["engine_max_concurrency"] / out["afmoe"]["engine_max_concurrency"]
     out["predicted_ratio"] = out["mla"]["predicted"]["max_concurrency"] / out["afmoe"]["predicted"]["max_concurrency"]
     return out
@@ -428,7 +433,8 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
                 f"{x['engine_fallback_warning']}; {x['engine_seconds']:.0f} s) | computed: "
                 f"{p['kv_cache_size_tokens']:,} tokens, {p['max_concurrency']:.2f}x"
             )
-        print(f"ratio: engine {e['engine_ratio']:.3f}x, computed {e['predicted_ratio']:.3f}x")
+        match = "engine == computed" if e["engine_matches_computed"] else "MISMATCH between engine and computed"
+        print(f"ratio: engine {e['engine_ratio']:.3f}x, computed {e['predicted_ratio']:.3f}x ({match})")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,705 @@
+"""Decode time per output token at long context: MLA-Trinity (the plugin) vs vLLM's built-in AFMoE, side by side.
+
+Run (from the repository root)::
+
+    .venv/bin/python deploy/bench_trinity_decode.py
+
+Expected runtime on a 2-core AVX2 machine (float32, one core per engine): about 45-60 minutes with the defaults,
+almost all of it prefill. A 32k prompt costs 32 q heads x 128 x 32768^2 / 2 x 4 ~ 8.8 TFLOP of causal attention
+on the one global layer whatever the hidden size, and both models really prefill every request
+(enable_prefix_caching=False). Measured here: the built-in prefills 32k in ~3-4 min; MLA-Trinity, whose prefill
+rebuilds K/V for the whole history and runs torch SDPA with an explicit mask for every 8192-token chunk, in
+~7-9 min. Fewer 32k requests: `--reps 1`, or `--contexts 2048 8192` (~6 min).
+Options: `--help`. `--no-profile` skips part 3 (two extra prefills at the largest context).
+
+What it does:
+1. One random float32 AFMoE checkpoint with Trinity-Mini's attention geometry (head_dim 128, 32 q heads,
+   4 KV heads, layers [S, S, S, F], sliding window 2048, muP, sandwich norms, gated output) and a small
+   MLP/MoE (hidden 512, 4 experts, top-2): `tests/afmoe_reference.make_random_afmoe(..., full_kv_rank=256)`
+   (imported with the repository root put on sys.path), whose global layer's [k_proj; v_proj] has rank 256
+   by construction, and its exact MLA conversion `convert_to_mla(..., kv_lora_rank=256)`. The two
+   directories compute the same function (up to float32 rounding); the first output tokens are compared as a
+   check.
+2. Two engines, each a `vllm.LLM` in its own child process (this script with `--child`), both alive for the
+   whole measurement: the plugin's TrinityMLAForCausalLM and vLLM's built-in AfmoeForCausalLM, same
+   max_model_len, max_num_batched_tokens (8192: chunked prefill), kv_cache_memory_bytes (computed below),
+   enable_prefix_caching=False, max_num_seqs=1, compiled (default) or `--enforce-eager`. Only one engine
+   works at a time (an idle engine blocks on its input queue), so the two never compete for the core vLLM
+   pins its worker to; keeping both alive lets every rep visit each context for both models back to back
+   (ABBA: rep 0 runs MLA then built-in, rep 1 built-in then MLA, ...; the contexts alternate ascending and
+   descending), so slow drift of this shared, noisy machine hits both models alike. The alternative (start
+   A, measure, stop, start B) would put minutes between the two models' numbers at each context.
+   One request at a time: random byte-token prompt (the same ids for both models), `--output-len` tokens,
+   ignore_eos, temperature 0. Decode time per token from vLLM's own per-request timestamps
+   (`RequestOutput.metrics`): (last_token_ts - first_token_ts) / (num_generation_tokens - 1). One discarded
+   warm-up request per engine at the smallest context.
+   kv_cache_memory_bytes: exactly what one max_model_len request of the built-in needs by vLLM 0.32's own
+   rule (CPU block 128; full layers cdiv(max_model_len, 128) blocks; sliding layers
+   cdiv(window - 1 + 2 * max_num_batched_tokens, 128) + 1 blocks, 2 = max_concurrent_batches with async
+   scheduling; float32 K+V page 128 x 2 x 4 x 128 x 4 B), rounded up to MiB. vLLM's logged
+   "Maximum concurrency" lines of both engines at that budget are printed.
+3. Profile (default on): one more request per engine at the largest context with vLLM's torch profiler
+   (`start_profile(delay_iterations=..., max_iterations=...)`, shapes recorded) over a few decode steps only;
+   the trace is split into the attention custom ops (plugin: vllm::trn_latent_attention, whose children are
+   grouped: key-scale recompute = the [L, r] x [r, 4 x 128] einsum + pow/mean/rsqrt; history gather; scores /
+   softmax / latent sum; ...; built-in: vllm::unified_attention_with_output + unified_kv_cache_update) and
+   everything else (the compiled rest of the model, sampling).
+
+Results: tables on stdout and JSON (`--out`, default bench-out/bench_trinity_decode.json); engine logs in
+bench-out/bench_trinity_decode-logs/. The machine is noisy: compare the ratios measured side by side in one run,
+not absolute milliseconds across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import queue
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = {"mla": "TrinityMLAForCausalLM", "afmoe": "AfmoeForCausalLM"}
+LABEL = {"mla": "MLA-Trinity", "afmoe": "built-in AFMoE"}
+PROTO = "@@BENCH "
+CPU_BLOCK = 128  # vLLM 0.32 CPU default block size (platforms/cpu.py) when the model is not DeepSeek-MLA
+MiB = 1 << 20
+INTERESTING_LOG = re.compile(
+    r"Maximum concurrency|KV cache size|kv cache group|block_size|sliding|Hybrid|fall(ing)? back|"
+    r"Traceback|Error|error:",
+    re.IGNORECASE,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768], help="prompt lengths")
+    p.add_argument("--reps", type=int, default=3, help="measured requests per model and context (default 3)")
+    p.add_argument("--output-len", type=int, default=32, help="output tokens per request (default 32)")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4, help="a multiple of 4: [S, S, S, F] repeated")
+    p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--experts-per-tok", type=int, default=2)
+    p.add_argument("--window", type=int, default=2048, help="sliding window (Trinity-Mini: 2048)")
+    p.add_argument("--kv-lora-rank", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--kv-cache-bytes", type=int, help="default: one max_model_len request of the built-in")
+    p.add_argument("--enforce-eager", action="store_true", help="both engines eager (default: compiled)")
+    p.add_argument("--no-profile", dest="profile", action="store_false", help="skip part 3")
+    p.add_argument("--profile-steps", type=int, default=6, help="decode steps profiled (default 6)")
+    p.add_argument("--model-dir", type=Path, help="write the two checkpoints here (default: a temp dir)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench-out/bench_trinity_decode.json"))
+    p.add_argument("--child", nargs=2, metavar=("MODEL_DIR", "ENGINE_JSON"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------------------------
+# Child: one vLLM engine, driven by JSON lines on stdin; answers are stdout lines prefixed PROTO
+# --------------------------------------------------------------------------------------------
+
+
+def child_main(model_dir: str, engine_json: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import ProfilerConfig
+    from vllm.inputs import TokensPrompt
+
+    def send(obj: dict[str, Any]) -> None:
+        sys.stdout.write(PROTO + json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    kw = json.loads(engine_json)
+    profile_dir = kw.pop("profile_dir", None)
+    if profile_dir:
+        kw["profiler_config"] = ProfilerConfig(
+            profiler="torch",
+            torch_profiler_dir=profile_dir,
+            torch_profiler_with_stack=False,
+            torch_profiler_record_shapes=True,
+            torch_profiler_use_gzip=True,
+        )
+    t0 = time.perf_counter()
+    llm = LLM(model=model_dir, **kw)
+    vc = llm.llm_engine.vllm_config
+    send(
+        {
+            "ready": True,
+            "startup_s": time.perf_counter() - t0,
+            "block_size": vc.cache_config.block_size,
+            "num_blocks": vc.cache_config.num_gpu_blocks,
+            "max_in_flight_tokens": vc.max_in_flight_tokens,
+            "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
+            "async_scheduling": bool(getattr(vc.scheduler_config, "async_scheduling", False)),
+            "compilation_mode": str(vc.compilation_config.mode),
+        }
+    )
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "quit":
+            break
+        ids = random.Random(cmd["prompt_seed"]).choices(range(256), k=cmd["len"])  # bytes: valid for vocab 259
+        sampling = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True)
+        profiling = cmd["cmd"] == "profile"
+        if profiling:
+            llm.start_profile(delay_iterations=cmd["delay_iterations"], max_iterations=cmd["max_iterations"])
+        t0 = time.perf_counter()
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], sampling, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        if profiling:
+            llm.stop_profile()
+        m = out.metrics
+        tokens = list(out.outputs[0].token_ids)
+        n = len(tokens)
+        send(
+            {
+                "len": cmd["len"],
+                "n_gen": n,
+                "metrics_n_gen": None if m is None else m.num_generation_tokens,
+                "preemptions": None if m is None else m.num_preemptions,
+                "decode_s_per_token": None if m is None else (m.last_token_ts - m.first_token_ts) / max(n - 1, 1),
+                "prefill_s": None if m is None else m.first_token_ts - m.scheduled_ts,
+                "wall_s": wall,
+                "tokens": tokens[:16],
+            }
+        )
+    llm.llm_engine.engine_core.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# Parent side
+# --------------------------------------------------------------------------------------------
+
+
+class Engine:
+    """A child process running one vLLM engine; a thread drains its output (protocol lines -> queue, rest -> log)."""
+
+    def __init__(self, key: str, model_dir: Path, engine_kw: dict[str, Any], log_path: Path) -> None:
+        self.key = key
+        self.log_path = log_path
+        self.log_lines: list[str] = []
+        self.answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(model_dir), json.dumps(engine_kw)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=str(REPO),
+        )
+        self._log = open(log_path, "w")  # noqa: SIM115  (closed in close())
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(PROTO):
+                self.answers.put(json.loads(line[len(PROTO) :]))
+            else:
+                self._log.write(line)
+                self._log.flush()
+                self.log_lines.append(line.rstrip("\n"))
+        self.answers.put(None)  # EOF
+
+    def wait(self, timeout: float = 7200) -> dict[str, Any]:
+        try:
+            ans = self.answers.get(timeout=timeout)
+        except queue.Empty:
+            raise SystemExit(f"{self.key} engine: no answer in {timeout} s; log {self.log_path}") from None
+        if ans is None:
+            tail = "\n".join(self.log_lines[-40:])
+            raise SystemExit(f"{self.key} engine died (rc {self.proc.poll()}); log {self.log_path}:\n{tail}")
+        return ans
+
+    def send(self, cmd: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def request(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.send(cmd)
+        return self.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"cmd": "quit"})
+                self.proc.wait(timeout=120)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._thread.join(timeout=10)
+        self._log.close()
+
+    def grep(self, pattern: str) -> list[str]:
+        rx = re.compile(pattern)
+        return [line for line in self.log_lines if rx.search(line)]
+
+
+def write_checkpoints(args: argparse.Namespace, root: Path, max_pos: int) -> tuple[dict[str, Path], dict[str, Any]]:
+    """The random AFMoE checkpoint and its exact MLA conversion (tests/afmoe_reference.py)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from tests.afmoe_reference import convert_to_mla, make_random_afmoe
+
+    if args.layers % 4:
+        raise SystemExit(f"--layers {args.layers}: must be a multiple of 4 ([S, S, S, F] blocks)")
+    afmoe = make_random_afmoe(
+        root / "afmoe",
+        seed=args.seed,
+        full_kv_rank=args.kv_lora_rank,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_experts=args.experts,
+        num_experts_per_tok=args.experts_per_tok,
+        sliding_window=args.window,
+        max_position_embeddings=max_pos,
+    )
+    mla = convert_to_mla(afmoe, root / "mla", kv_lora_rank=args.kv_lora_rank)
+    cfg = json.loads((afmoe / "config.json").read_text())
+    return {"mla": mla, "afmoe": afmoe}, cfg
+
+
+def builtin_kv_bytes(cfg: dict[str, Any], max_model_len: int, mnbt: int, block: int = CPU_BLOCK) -> dict[str, Any]:
+    """Bytes one max_model_len request of the built-in AFMoE needs, by vLLM 0.32's sizing rule (float32)."""
+    page = block * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    n_full = sum(t == "full_attention" for t in cfg["layer_types"])
+    n_slide = len(cfg["layer_types"]) - n_full
+    in_flight = 2 * mnbt  # max_concurrent_batches (2 with async scheduling) x max_num_batched_tokens
+    full_blocks = cdiv(max_model_len, block)
+    slide_blocks = cdiv(min(cfg["sliding_window"] - 1 + in_flight, max_model_len), block) + 1
+    blocks = n_full * full_blocks + n_slide * slide_blocks
+    return {
+        "page_bytes": page,
+        "blocks_per_request": blocks,
+        "full_blocks_per_layer": full_blocks,
+        "sliding_blocks_per_layer": slide_blocks,
+        "bytes": cdiv(blocks * page, MiB) * MiB,
+    }
+
+
+def measure(engines: dict[str, Engine], args: argparse.Namespace, max_tokens: int) -> list[dict[str, Any]]:
+    keys = list(MODELS)
+    runs: list[dict[str, Any]] = []
+    total = args.reps * len(args.contexts) * len(keys)
+    for rep in range(args.reps):
+        contexts = args.contexts if rep % 2 == 0 else args.contexts[::-1]
+        for i, ctx in enumerate(contexts):
+            order = keys if (rep + i) % 2 == 0 else keys[::-1]
+            prompt_seed = args.seed * 1_000_003 + rep * 100_003 + ctx  # same prompt for both models
+            for key in order:
+                ans = engines[key].request(
+                    {"cmd": "generate", "len": ctx, "max_tokens": max_tokens, "prompt_seed": prompt_seed}
+                )
+                check(ans, max_tokens, key)
+                runs.append({"model": key, "rep": rep, "context": ctx, **ans})
+                print(
+                    f"  [{len(runs)}/{total}] rep {rep} {LABEL[key]:15} ctx {ctx:>6}: decode "
+                    f"{1e3 * ans['decode_s_per_token']:7.2f} ms/token, prefill {ans['prefill_s']:7.1f} s",
+                    flush=True,
+                )
+    return runs
+
+
+def check(ans: dict[str, Any], max_tokens: int, key: str) -> None:
+    if ans["decode_s_per_token"] is None:
+        raise SystemExit("RequestOutput.metrics is None: vLLM was started with log stats disabled")
+    if ans["n_gen"] != max_tokens or ans["metrics_n_gen"] != max_tokens:
+        raise SystemExit(f"{key}: expected {max_tokens} output tokens, got {ans['n_gen']} ({ans['metrics_n_gen']})")
+    if ans["preemptions"]:
+        raise SystemExit(f"{key}: request preempted {ans['preemptions']}x; its timing would include a re-prefill")
+
+
+def summarize(runs: list[dict[str, Any]], contexts: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in MODELS:
+        per_ctx = {}
+        for ctx in contexts:
+            tpot = [1e3 * r["decode_s_per_token"] for r in runs if r["model"] == key and r["context"] == ctx]
+            pre = [r["prefill_s"] for r in runs if r["model"] == key and r["context"] == ctx]
+            per_ctx[ctx] = {
+                "decode_ms_per_token": tpot,
+                "median": statistics.median(tpot),
+                "min": min(tpot),
+                "max": max(tpot),
+                "prefill_s_median": statistics.median(pre),
+            }
+        out[key] = per_ctx
+    # MLA / built-in per adjacent pair (same rep, same context, measured back to back).
+    pairs: dict[int, list[float]] = {ctx: [] for ctx in contexts}
+    agree: dict[int, list[int]] = {ctx: [] for ctx in contexts}
+    for ctx in contexts:
+        for rep in sorted({r["rep"] for r in runs}):
+            a = [r for r in runs if r["rep"] == rep and r["context"] == ctx]
+            by = {r["model"]: r for r in a}
+            if set(by) == set(MODELS):
+                pairs[ctx].append(by["mla"]["decode_s_per_token"] / by["afmoe"]["decode_s_per_token"])
+                same = 0
+                for x, y in zip(by["mla"]["tokens"], by["afmoe"]["tokens"]):
+                    if x != y:
+                        break
+                    same += 1
+                agree[ctx].append(same)
+    out["pair_ratios"] = pairs
+    out["agreeing_prefix_tokens"] = agree
+    return out
+
+
+# --- profile ---------------------------------------------------------------------------------------------
+
+
+def load_trace(profile_dir: Path) -> list[dict[str, Any]]:
+    files = sorted(profile_dir.glob("*.json*"), key=lambda f: f.stat().st_mtime)
+    if not files:
+        raise FileNotFoundError(f"no trace in {profile_dir}")
+    raw = files[-1].read_bytes()
+    if files[-1].suffix == ".gz":
+        raw = gzip.decompress(raw)
+    return [e for e in json.loads(raw)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+
+
+def nest(events: list[dict[str, Any]]) -> None:
+    """Give each event `_parent` (index of its innermost enclosing event on the same thread)."""
+    order = sorted(range(len(events)), key=lambda i: (events[i].get("pid"), events[i].get("tid"), events[i]["ts"]))
+    stack: list[int] = []
+    last_thread = None
+    for i in order:
+        e = events[i]
+        thread = (e.get("pid"), e.get("tid"))
+        if thread != last_thread:
+            stack, last_thread = [], thread
+        while stack and events[stack[-1]]["ts"] + events[stack[-1]]["dur"] <= e["ts"]:
+            stack.pop()
+        e["_parent"] = stack[-1] if stack else None
+        stack.append(i)
+
+
+def child_label(e: dict[str, Any], r: int) -> str:
+    """Name a direct child of the latent-attention op by what it does in latent_attention.py."""
+    name = e["name"]
+    dims = (e.get("args") or {}).get("Input Dims") or []
+    if name == "aten::einsum" and len(dims) > 1 and len(dims[1]) == 2:
+        a, b = dims[1]
+        if len(a) == 3 and a[-1] == r and len(b) == 3 and b[-1] == r:
+            return "key-scale recompute: einsum C[L,r] x W_k^T -> [L, 4, 128]"
+        if len(a) == 4 and len(b) == 3 and b[-1] == r and a[-1] == b[1]:
+            return "einsum q -> q_lat (W_k^T q)"
+        if len(a) == 4 and len(b) == 3 and a[-1] == r and b[-1] == r and b[1] != a[-1]:
+            return "einsum scores q_lat . C"
+        if len(a) == 4 and len(b) == 3 and a[-1] == b[1]:
+            return "einsum u = p . C (latent sum)"
+        return "einsum W_v u (output)"
+    if name in ("aten::pow", "aten::mean", "aten::rsqrt"):
+        return f"key-scale recompute: {name.removeprefix('aten::')}"
+    if name in ("aten::index", "aten::zeros", "aten::new_zeros", "aten::copy_", "aten::slice", "aten::select"):
+        return "history gather / copy to [B, L, r] (" + name.removeprefix("aten::") + ")"
+    if name in ("aten::index_put_", "aten::_index_put_impl_"):
+        return "cache write (index_put_)"
+    if name in ("aten::softmax", "aten::_softmax", "aten::masked_fill", "aten::mul"):
+        return "scores scale/mask/softmax (" + name.removeprefix("aten::") + ")"
+    return "other (" + name.removeprefix("aten::") + ")"
+
+
+def analyze_profile(profile_dir: Path, key: str, n_attn_layers: int, r: int) -> dict[str, Any]:
+    events = load_trace(profile_dir)
+    nest(events)
+    attn_names = (
+        ("vllm::trn_latent_attention",)
+        if key == "mla"
+        else ("vllm::unified_attention_with_output", "vllm::unified_kv_cache_update")
+    )
+    attn = [i for i, e in enumerate(events) if e["name"] in attn_names]
+    # Count each custom op once (the outermost event of that name), e.g. not its dispatcher re-entries.
+    top = [i for i in attn if events[i]["_parent"] is None or events[events[i]["_parent"]]["name"] not in attn_names]
+    by_name: dict[str, list[float]] = {}
+    for i in top:
+        by_name.setdefault(events[i]["name"], []).append(events[i]["dur"] / 1e3)
+    main_op = attn_names[0]
+    calls = len(by_name.get(main_op, []))
+    steps = calls // n_attn_layers
+    res: dict[str, Any] = {
+        "ops_ms_total": {k: sum(v) for k, v in by_name.items()},
+        "calls": {k: len(v) for k, v in by_name.items()},
+        "steps": steps,
+    }
+    res["attention_ms_per_step"] = sum(res["ops_ms_total"].values()) / max(steps, 1)
+    if key == "mla":
+        top_set = set(top)
+        parts: dict[str, float] = {}
+        for e in events:
+            if e.get("_parent") in top_set:
+                lab = child_label(e, r)
+                parts[lab] = parts.get(lab, 0.0) + e["dur"] / 1e3 / max(steps, 1)
+        res["latent_op_children_ms_per_step"] = dict(sorted(parts.items(), key=lambda kv: -kv[1]))
+        res["key_scale_recompute_ms_per_step"] = sum(v for k, v in parts.items() if k.startswith("key-scale"))
+    # The step: the worker's execute_model spans, if annotated; else None.
+    steps_spans = [e["dur"] / 1e3 for e in events if e["name"].startswith(("execute_model", "gpu_model_runner"))]
+    res["annotated_step_spans_ms"] = steps_spans[:20]
+    return res
+
+
+def run_profiles(engines: dict[str, Engine], args: argparse.Namespace, cfg: dict[str, Any], dirs: dict[str, Path]):  # noqa: ANN201
+    ctx = max(args.contexts)
+    chunks = cdiv(ctx, args.max_num_batched_tokens)
+    delay = chunks + 2  # skip the prefill chunks and the first decode steps
+    max_tokens = min(args.output_len, args.profile_steps + 6)
+    n_full = sum(t == "full_attention" for t in cfg["layer_types"])
+    out: dict[str, Any] = {"context": ctx, "delay_iterations": delay}
+    for key, eng in engines.items():
+        t0 = time.perf_counter()
+        ans = eng.request(
+            {
+                "cmd": "profile",
+                "len": ctx,
+                "max_tokens": max_tokens,
+                "prompt_seed": args.seed + 99,
+                "delay_iterations": delay,
+                "max_iterations": args.profile_steps,
+            }
+        )
+        time.sleep(2)  # the worker writes its trace when the profiler stops
+        n_attn = n_full if key == "mla" else len(cfg["layer_types"])
+        try:
+            res = analyze_profile(dirs[key], key, n_attn, args.kv_lora_rank)
+        except Exception as exc:  # noqa: BLE001  (report, do not lose the timing results)
+            res = {"error": f"{type(exc).__name__}: {exc}"}
+        res["decode_ms_per_token_during_profile"] = 1e3 * ans["decode_s_per_token"]
+        res["seconds"] = time.perf_counter() - t0
+        out[key] = res
+        print(f"  profiled {LABEL[key]} at {ctx} ({res['seconds']:.0f} s)", flush=True)
+    return out
+
+
+# --- report ----------------------------------------------------------------------------------------------
+
+
+def report(res: dict[str, Any], args: argparse.Namespace) -> None:
+    s, ctxs = res["summary"], args.contexts
+    lo, hi = min(ctxs), max(ctxs)
+    print(
+        f"\n== Decode time per output token, ms (median of {args.reps}; vLLM RequestOutput.metrics; "
+        f"{args.output_len} output tokens, one request at a time) =="
+    )
+    head = "".join(f"{c:>10}" for c in ctxs)
+    print(f"{'model':18}{head}{f'{hi}/{lo}':>12}  target")
+    for key in MODELS:
+        row = "".join(f"{s[key][c]['median']:>10.2f}" for c in ctxs)
+        ratio = s[key][hi]["median"] / s[key][lo]["median"]
+        target = "<= 1.3 (flat)" if key == "mla" else ""
+        print(f"{LABEL[key]:18}{row}{ratio:>12.2f}  {target}")
+    row = "".join(f"{s['mla'][c]['median'] / s['afmoe'][c]['median']:>10.2f}" for c in ctxs)
+    print(f"{'MLA / built-in':18}{row}{'':>12}  < 1 at {hi} (MLA faster)")
+    row = "".join(f"{statistics.median(s['pair_ratios'][c]):>10.2f}" for c in ctxs)
+    print(f"{'  (pairwise med.)':18}{row}")
+    print("\nspread (min-max ms/token) and prefill (median s):")
+    for key in MODELS:
+        parts = [
+            f"{c}: {s[key][c]['min']:.2f}-{s[key][c]['max']:.2f}, prefill {s[key][c]['prefill_s_median']:.1f} s"
+            for c in ctxs
+        ]
+        print(f"  {LABEL[key]:16} " + "; ".join(parts))
+    print("per request (rep, ms/token), in run order:")
+    for key in MODELS:
+        items = [f"{r['context']}:{1e3 * r['decode_s_per_token']:.1f}" for r in res["runs"] if r["model"] == key]
+        print(f"  {LABEL[key]:16} " + ", ".join(items))
+    agree = s["agreeing_prefix_tokens"]
+    print(
+        "same function check: identical leading output tokens MLA vs built-in (of the first 16), per rep: "
+        + "; ".join(f"{c}: {agree[c]}" for c in ctxs)
+    )
+
+    e = res["engines"]
+    kv = res["kv_budget"]
+    print(
+        f"\n== KV cache at kv_cache_memory_bytes = {res['kv_cache_bytes']:,} B ({res['kv_cache_bytes'] / MiB:.0f} MiB; "
+        f"computed for one {res['max_model_len']}-token request of the built-in: {kv['blocks_per_request']} blocks x "
+        f"{kv['page_bytes']:,} B) =="
+    )
+    for key in MODELS:
+        info = e[key]
+        print(
+            f"{LABEL[key]}: block_size {info['block_size']}, {info['num_blocks']} blocks, max_in_flight_tokens "
+            f"{info['max_in_flight_tokens']}, {info['compilation_mode']}, startup {info['startup_s']:.0f} s"
+        )
+        for line in info["log_concurrency"]:
+            print(f"  log: {line.strip()}")
+        for line in info["log_groups"]:
+            print(f"  log: {line.strip()}")
+
+    if "profile" in res:
+        p = res["profile"]
+        print(
+            f"\n== Where a decode step goes at {p['context']} (vLLM torch profiler, record_shapes, "
+            f"{args.profile_steps} decode steps after {p['delay_iterations'] - 1} iterations) =="
+        )
+        for key in MODELS:
+            x = p[key]
+            if "error" in x:
+                print(f"{LABEL[key]}: profile failed: {x['error']}")
+                continue
+            tpot = s[key][p["context"]]["median"]
+            att = x["attention_ms_per_step"]
+            ops = ", ".join(f"{name} x{n}" for name, n in x["calls"].items())
+            print(
+                f"{LABEL[key]}: {x['steps']} steps; attention custom ops {att:.2f} ms/step = {att / tpot:.0%} of the "
+                f"unprofiled {tpot:.2f} ms/token (profiled request: {x['decode_ms_per_token_during_profile']:.2f} "
+                f"ms/token); ops {ops}"
+            )
+            if key == "mla":
+                rec = x["key_scale_recompute_ms_per_step"]
+                print(
+                    f"  key-scale recompute {rec:.2f} ms/step = {rec / att:.0%} of the latent op, "
+                    f"{rec / tpot:.0%} of the decode step; rest of the latent op {att - rec:.2f} ms"
+                )
+                for lab, ms in x["latent_op_children_ms_per_step"].items():
+                    if ms >= 0.05:
+                        print(f"    {ms:8.2f} ms/step  {lab}")
+        if all("error" not in p[k] for k in MODELS):
+            lo_tpot = {k: s[k][lo]["median"] for k in MODELS}
+            print(
+                f"decode growth {lo} -> {p['context']}: MLA +{s['mla'][p['context']]['median'] - lo_tpot['mla']:.2f} "
+                f"ms/token, built-in +{s['afmoe'][p['context']]['median'] - lo_tpot['afmoe']:.2f} ms/token"
+            )
+
+
+def plugin_state() -> str:
+    """Which plugin source the engines ran: commit and any uncommitted change under model_executors/."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--", "model_executors", "vllm_trn_plugin"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split("\n")
+        dirty = [d.strip() for d in dirty if d.strip()]
+        return f"commit {head}" + (f", UNCOMMITTED changes: {dirty}" if dirty else ", clean")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git)"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        child_main(*args.child)
+        return
+    t_all = time.perf_counter()
+    args.contexts = sorted(set(args.contexts))
+    max_model_len = max(args.contexts) + args.output_len
+    max_pos = cdiv(max_model_len, 1024) * 1024
+    out_dir = args.out.parent
+    log_dir = out_dir / "bench_trinity_decode-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    import vllm
+
+    print("== MLA-Trinity vs built-in AFMoE: decode time per token at long context")
+    print(f"vllm {vllm.__version__}; plugin source: {plugin_state()}")
+    tmp = None
+    if args.model_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="bench-trinity-decode-")
+        root = Path(tmp.name)
+    else:
+        root = args.model_dir
+    t0 = time.perf_counter()
+    dirs, cfg = write_checkpoints(args, root, max_pos)
+    print(
+        f"checkpoint ({time.perf_counter() - t0:.0f} s): tests/afmoe_reference.make_random_afmoe(full_kv_rank="
+        f"{args.kv_lora_rank}) + convert_to_mla(kv_lora_rank={args.kv_lora_rank}); hidden {cfg['hidden_size']}, "
+        f"{cfg['num_hidden_layers']} layers {[t[0].upper() for t in cfg['layer_types']]}, "
+        f"{cfg['num_attention_heads']} q / {cfg['num_key_value_heads']} KV heads x {cfg['head_dim']}, window "
+        f"{cfg['sliding_window']}, {cfg['num_experts']} experts top-{cfg['num_experts_per_tok']}, "
+        f"max_position_embeddings {cfg['max_position_embeddings']}, float32"
+    )
+    kv = builtin_kv_bytes(cfg, max_model_len, args.max_num_batched_tokens)
+    kv_bytes = args.kv_cache_bytes or kv["bytes"]
+    engine_kw = dict(
+        dtype="float32",
+        max_model_len=max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=kv_bytes,
+        max_num_seqs=1,
+        enable_prefix_caching=False,
+        enforce_eager=args.enforce_eager,
+        disable_log_stats=False,  # fills RequestOutput.metrics
+        seed=args.seed,
+    )
+    print(
+        f"engines: max_model_len {max_model_len}, max_num_batched_tokens {args.max_num_batched_tokens}, "
+        f"kv_cache_memory_bytes {kv_bytes:,}, prefix caching off, max_num_seqs 1, "
+        f"{'eager' if args.enforce_eager else 'compiled'}; contexts {args.contexts}, {args.reps} reps, "
+        f"output {args.output_len}"
+    )
+    profile_dirs = {k: log_dir / f"profile-{k}" for k in MODELS}
+    engines: dict[str, Engine] = {}
+    result: dict[str, Any] = {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": cfg,
+        "max_model_len": max_model_len,
+        "kv_budget": kv,
+        "kv_cache_bytes": kv_bytes,
+        "plugin_state": plugin_state(),
+    }
+    try:
+        t0 = time.perf_counter()
+        for key in MODELS:  # start both at once: start-up is not measured
+            kw = dict(engine_kw)
+            if args.profile:
+                for f in profile_dirs[key].glob("*"):
+                    f.unlink()
+                profile_dirs[key].mkdir(parents=True, exist_ok=True)
+                kw["profile_dir"] = str(profile_dirs[key])
+            engines[key] = Engine(key, dirs[key], kw, log_dir / f"{key}.log")
+        info = {key: eng.wait() for key, eng in engines.items()}
+        for key, eng in engines.items():
+            info[key]["log_concurrency"] = eng.grep(r"Maximum concurrency")
+            info[key]["log_groups"] = eng.grep(r"(?i)kv cache group|hybrid|treating sliding")
+        result["engines"] = info
+        print(f"both engines up ({time.perf_counter() - t0:.0f} s); warm-up request at {min(args.contexts)} each")
+        for eng in engines.values():
+            eng.send({"cmd": "generate", "len": min(args.contexts), "max_tokens": args.output_len, "prompt_seed": 1})
+        result["warmup"] = {key: eng.wait() for key, eng in engines.items()}
+
+        t0 = time.perf_counter()
+        result["runs"] = measure(engines, args, args.output_len)
+        result["measure_s"] = time.perf_counter() - t0
+        result["summary"] = summarize(result["runs"], args.contexts)
+        if args.profile:
+            result["profile"] = run_profiles(engines, args, cfg, profile_dirs)
+    finally:
+        for eng in engines.values():
+            eng.close()
+        if tmp is not None:
+            tmp.cleanup()
+
+    report(result, args)
+    result["total_s"] = time.perf_counter() - t_all
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(
+        f"\ntotal {result['total_s'] / 60:.1f} min (measured requests {result['measure_s'] / 60:.1f} min); "
+        f"JSON: {args.out}; engine logs: {log_dir}"
+    )
+
+
+if __name__ == "__main__":
+    main()
