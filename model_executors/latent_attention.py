@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from vllm.config import CacheConfig, VllmConfig, get_current_vllm_config
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -95,7 +95,7 @@ def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int, 
 class TrinityLatentAttention(nn.Module, AttentionLayerBase):
     """Gated GQA attention whose keys and values come from a cached r-wide latent (no RoPE)."""
 
-    def __init__(self, config, layer_idx: int, cache_config: CacheConfig | None = None, prefix: str = "") -> None:  # noqa: ANN001
+    def __init__(self, config, prefix: str = "") -> None:  # noqa: ANN001  (AfmoeConfig + kv_lora_rank)
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads

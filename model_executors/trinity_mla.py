@@ -16,7 +16,6 @@ import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CacheConfig, VllmConfig
-from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
@@ -54,9 +53,7 @@ class TrinityMLADecoderLayer(AfmoeDecoderLayer):
         self.hidden_size = config.hidden_size
         self.layer_idx = extract_layer_index(prefix)
         if is_latent_layer(config, self.layer_idx):
-            self.self_attn = TrinityLatentAttention(
-                config, self.layer_idx, cache_config=cache_config, prefix=f"{prefix}.self_attn"
-            )
+            self.self_attn = TrinityLatentAttention(config, prefix=f"{prefix}.self_attn")
         else:
             self.self_attn = AfmoeAttention(
                 config=config,
@@ -97,8 +94,9 @@ class TrinityMLAModel(nn.Module):
         config = vllm_config.model_config.hf_config
         if getattr(config, "kv_lora_rank", None) is None:
             raise ValueError("TrinityMLAForCausalLM: config.json needs `kv_lora_rank` (the latent width)")
-        if vllm_config.parallel_config.pipeline_parallel_size != 1:
-            raise ValueError("TrinityMLAForCausalLM: pipeline parallelism is not supported")
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1 or parallel.tensor_parallel_size != 1:
+            raise ValueError("TrinityMLAForCausalLM: tensor and pipeline parallelism are not supported yet (size 1)")
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.start_layer, self.end_layer, self.layers = make_layers(
@@ -154,7 +152,6 @@ class TrinityMLAForCausalLM(AfmoeForCausalLM):
             self.num_routed_experts = m.n_routed_experts
             self.num_shared_experts = m.n_shared_experts
             self.num_redundant_experts = m.n_redundant_experts
-        assert get_pp_group().world_size == 1
 
     def forward(
         self,
