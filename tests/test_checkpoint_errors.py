@@ -10,11 +10,12 @@ import json
 import subprocess
 import sys
 import textwrap
+from functools import partial
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_trn_plugin.demo import write_laplace_demo
+from vllm_trn_plugin.demo import write_laplace_demo, write_trinity_demo
 
 LOAD_ALL = textwrap.dedent(
     """
@@ -48,31 +49,46 @@ LOAD_ALL = textwrap.dedent(
 
 
 def test_bad_tensors_are_named(tmp_path) -> None:
-    good = write_laplace_demo(tmp_path / "good", dtype=torch.float32, num_hidden_layers=2)
-    tensors = load_file(str(good / "model.safetensors"))
-
-    def variant(name: str, edit) -> str:  # noqa: ANN001
-        d = write_laplace_demo(tmp_path / name, dtype=torch.float32, num_hidden_layers=2)
-        t = dict(tensors)
-        edit(t)
-        save_file(t, str(d / "model.safetensors"))
+    def variant(writer, name: str, edit=None) -> str:  # noqa: ANN001
+        d = writer(tmp_path / name, dtype=torch.float32)
+        if edit is not None:
+            t = load_file(str(d / "model.safetensors"))
+            edit(t)
+            save_file(t, str(d / "model.safetensors"))
         return str(d)
 
+    laplace = partial(write_laplace_demo, num_hidden_layers=2)
+    latent = "model.layers.3.self_attn."  # the demo's full-attention layer
+    # The first checkpoint's config sets up vLLM's parallel groups: the MoE one needs its EP group.
+    goods = [variant(write_trinity_demo, "trinity-good"), variant(laplace, "laplace-good")]
     cases = {
-        variant("missing", lambda t: t.pop("model.layers.1.mixer.aug_balance")): "model.layers.1.mixer.aug_balance",
-        variant("unknown", lambda t: t.update({"model.layers.0.mixer.k_proj.weight": torch.zeros(2, 2)})): (
+        variant(laplace, "missing", lambda t: t.pop("model.layers.1.mixer.aug_balance")): (
+            "model.layers.1.mixer.aug_balance"
+        ),
+        variant(laplace, "unknown", lambda t: t.update({"model.layers.0.mixer.k_proj.weight": torch.zeros(2, 2)})): (
             "model.layers.0.mixer.k_proj.weight"
         ),
-        variant("shape", lambda t: t.update({"model.layers.0.mixer.conv1d.weight": torch.zeros(256, 1, 3)})): (
+        variant(laplace, "shape", lambda t: t.update({"model.layers.0.mixer.conv1d.weight": torch.zeros(256, 1, 3)})): (
             "model.layers.0.mixer.conv1d.weight"
         ),
+        # An unconverted AFMoE layer where the latent belongs.
+        variant(
+            write_trinity_demo, "trinity-kv", lambda t: t.update({latent + "k_proj.weight": torch.zeros(512, 512)})
+        ): (latent + "k_proj.weight"),
+        variant(write_trinity_demo, "trinity-missing", lambda t: t.pop(latent + "kv_b_proj.weight")): (
+            latent + "kv_b_proj.weight"
+        ),
+        variant(
+            write_trinity_demo,
+            "trinity-shape",
+            lambda t: t.update({latent + "kv_a_proj.weight": torch.zeros(128, 512)}),
+        ): (latent + "kv_a_proj.weight"),
     }
-    proc = subprocess.run(
-        [sys.executable, "-c", LOAD_ALL, str(good), *cases], capture_output=True, text=True, timeout=600
-    )
+    proc = subprocess.run([sys.executable, "-c", LOAD_ALL, *goods, *cases], capture_output=True, text=True, timeout=900)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS")]
     assert line, f"loader script failed:\n{proc.stderr[-3000:]}"
     results = json.loads(line[0].removeprefix("RESULTS"))
-    assert results[str(good)] == "loaded"
+    for good in goods:
+        assert results[good] == "loaded", results[good]
     for ckpt, tensor_name in cases.items():
         assert tensor_name in results[ckpt], f"{ckpt}: error does not name {tensor_name}: {results[ckpt]}"
