@@ -46,37 +46,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_trn_plugin.demo import TRINITY_MINI as TRINITY_MINI_MLA
+
 GiB = 1 << 30
 MiB = 1 << 20
 FALLBACK_WARNINGS = ("treating sliding-window layers as full attention", "Hybrid KV cache manager is disabled")
 
 # Trinity-Mini's public geometry (spec §1); MLA-Trinity adds kv_lora_rank.
-TRINITY_MINI: dict[str, Any] = dict(
-    vocab_size=200192,
-    hidden_size=2048,
-    intermediate_size=6144,
-    moe_intermediate_size=1024,
-    num_hidden_layers=32,
-    num_dense_layers=2,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts=128,
-    num_experts_per_tok=8,
-    num_shared_experts=1,
-    route_scale=2.826,
-    route_norm=True,
-    score_func="sigmoid",
-    n_group=1,
-    topk_group=1,
-    sliding_window=2048,
-    layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 8,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    mup_enabled=True,
-    max_position_embeddings=131072,
-)
-KV_LORA_RANK = 256
+TRINITY_MINI = {k: v for k, v in TRINITY_MINI_MLA.items() if k != "kv_lora_rank"}
+KV_LORA_RANK = TRINITY_MINI_MLA["kv_lora_rank"]
 MODELS = {"mla": "TrinityMLAForCausalLM", "afmoe": "AfmoeForCausalLM"}
 LABEL = {"mla": "MLA-Trinity", "afmoe": "AFMoE (built-in)"}
 ENGINE_LOG = re.compile(

@@ -27,38 +27,16 @@ from pathlib import Path
 
 import pytest
 
-NUM_LAYERS = 32
+from vllm_trn_plugin.demo import TRINITY_MINI as TRINITY_MINI_MLA
+
+NUM_LAYERS = TRINITY_MINI_MLA["num_hidden_layers"]
 LATENT_LAYERS = [i for i in range(NUM_LAYERS) if i % 4 == 3]  # 3, 7, ..., 31
 SLIDING_LAYERS = [i for i in range(NUM_LAYERS) if i % 4 != 3]
 MAX_MODEL_LEN = 32768
 FALLBACK_WARNINGS = ("treating sliding-window layers as full attention", "Hybrid KV cache manager is disabled")
 
 # Trinity-Mini's public geometry (spec §1); kv_lora_rank only in the MLA-Trinity config.
-TRINITY_MINI = dict(
-    vocab_size=200192,
-    hidden_size=2048,
-    intermediate_size=6144,
-    moe_intermediate_size=1024,
-    num_hidden_layers=NUM_LAYERS,
-    num_dense_layers=2,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts=128,
-    num_experts_per_tok=8,
-    num_shared_experts=1,
-    route_scale=2.826,
-    route_norm=True,
-    score_func="sigmoid",
-    n_group=1,
-    topk_group=1,
-    sliding_window=2048,
-    layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 8,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    mup_enabled=True,
-    max_position_embeddings=131072,
-)
+TRINITY_MINI = {k: v for k, v in TRINITY_MINI_MLA.items() if k != "kv_lora_rank"}
 
 CHILD = textwrap.dedent(
     """
@@ -181,7 +159,7 @@ def write_config(out: Path, arch: str, **extra: object) -> str:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("trinity-mini-configs")
-    mla = write_config(root / "mla-trinity", "TrinityMLAForCausalLM", kv_lora_rank=256)
+    mla = write_config(root / "mla-trinity", "TrinityMLAForCausalLM", kv_lora_rank=TRINITY_MINI_MLA["kv_lora_rank"])
     afmoe = write_config(root / "afmoe", "AfmoeForCausalLM")
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, str(MAX_MODEL_LEN), mla, afmoe], capture_output=True, text=True, timeout=900

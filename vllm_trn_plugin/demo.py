@@ -128,30 +128,48 @@ def write_laplace_demo(
     return out
 
 
-TRINITY_DEMO = dict(
-    vocab_size=259,
-    hidden_size=512,
-    intermediate_size=1024,
-    moe_intermediate_size=128,
-    num_hidden_layers=4,
-    num_dense_layers=1,
+# Arcee Trinity-Mini's public geometry (spec §1), with MLA's 256-wide latent.
+TRINITY_MINI: dict[str, Any] = dict(
+    vocab_size=200192,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=1024,
+    num_hidden_layers=32,
+    num_dense_layers=2,
     num_attention_heads=32,
     num_key_value_heads=4,
     head_dim=128,
     kv_lora_rank=256,
-    num_experts=8,
-    num_experts_per_tok=2,
+    num_experts=128,
+    num_experts_per_tok=8,
     num_shared_experts=1,
     route_scale=2.826,
     route_norm=True,
     score_func="sigmoid",
     n_group=1,
     topk_group=1,
-    sliding_window=128,
+    sliding_window=2048,
     layer_types=["sliding_attention"] * 3 + ["full_attention"],
     rms_norm_eps=1e-5,
     rope_theta=10000.0,
     mup_enabled=True,
+    max_position_embeddings=131072,
+)
+TRINITY_MINI["layer_types"] = TRINITY_MINI["layer_types"] * 8
+
+# The demo keeps the head geometry and latent, with few layers, experts and a short window.
+TRINITY_DEMO: dict[str, Any] = dict(
+    TRINITY_MINI,
+    vocab_size=259,
+    hidden_size=512,
+    intermediate_size=1024,
+    moe_intermediate_size=128,
+    num_hidden_layers=4,
+    num_dense_layers=1,
+    num_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=128,
+    layer_types=["sliding_attention"] * 3 + ["full_attention"],
     max_position_embeddings=8192,
 )
 
