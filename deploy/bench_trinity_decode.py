@@ -2,15 +2,21 @@
 
 Run (from the repository root)::
 
-    .venv/bin/python deploy/bench_trinity_decode.py
+    .venv/bin/python deploy/bench_trinity_decode.py --reuse-prefill   # ~22 min (measured, 2-core AVX2 EPYC)
+    .venv/bin/python deploy/bench_trinity_decode.py                   # as briefed, every request prefilled: ~70 min
 
-Expected runtime on a 2-core AVX2 machine (float32, one core per engine): about 45-60 minutes with the defaults,
-almost all of it prefill. A 32k prompt costs 32 q heads x 128 x 32768^2 / 2 x 4 ~ 8.8 TFLOP of causal attention
-on the one global layer whatever the hidden size, and both models really prefill every request
-(enable_prefix_caching=False). Measured here: the built-in prefills 32k in ~3-4 min; MLA-Trinity, whose prefill
-rebuilds K/V for the whole history and runs torch SDPA with an explicit mask for every 8192-token chunk, in
-~7-9 min. Fewer 32k requests: `--reps 1`, or `--contexts 2048 8192` (~6 min).
-Options: `--help`. `--no-profile` skips part 3 (two extra prefills at the largest context).
+Why so long (float32, one core per engine): prefill. A 32k prompt costs 32 q heads x 128 x 32768^2 / 2 x 4 flop
+~ 8.8 TFLOP of causal attention on the one global layer plus ~3 TFLOP on the three sliding layers, whatever the
+hidden size: measured 395 s for the built-in and 518 s for MLA-Trinity (whose prefill rebuilds K/V of the whole
+history and runs torch SDPA with an explicit mask over it for every chunk). By default (as briefed) prefix
+caching is off and every request is prefilled: ~15 min per rep at 32k for the two models, plus one more such
+pair for the profile. `--reuse-prefill` turns prefix caching on and uses one fixed prompt per context (the same
+for both models), so only the first request per context and model is prefilled; the later ones take the prompt
+from the cache (their `num_cached_tokens` is printed; MLA's cache group has 512-token blocks, so up to 512
+prompt tokens are recomputed) and decode over the identical cached context. Decode reads the same cache either
+way; the per-request list marks the cache hits, so decode after a real prefill and after a hit can be compared
+(measured: the same within noise). `--contexts 2048 8192` takes ~10 min without `--reuse-prefill`.
+Options: `--help`. `--no-profile` skips part 3.
 
 What it does:
 1. One random float32 AFMoE checkpoint with Trinity-Mini's attention geometry (head_dim 128, 32 q heads,
@@ -22,22 +28,29 @@ What it does:
    check.
 2. Two engines, each a `vllm.LLM` in its own child process (this script with `--child`), both alive for the
    whole measurement: the plugin's TrinityMLAForCausalLM and vLLM's built-in AfmoeForCausalLM, same
-   max_model_len, max_num_batched_tokens (8192: chunked prefill), kv_cache_memory_bytes (computed below),
-   enable_prefix_caching=False, max_num_seqs=1, compiled (default) or `--enforce-eager`. Only one engine
-   works at a time (an idle engine blocks on its input queue), so the two never compete for the core vLLM
-   pins its worker to; keeping both alive lets every rep visit each context for both models back to back
-   (ABBA: rep 0 runs MLA then built-in, rep 1 built-in then MLA, ...; the contexts alternate ascending and
-   descending), so slow drift of this shared, noisy machine hits both models alike. The alternative (start
-   A, measure, stop, start B) would put minutes between the two models' numbers at each context.
+   max_model_len, max_num_batched_tokens (512, see below), kv_cache_memory_bytes (computed below),
+   enable_prefix_caching=False (True with --reuse-prefill), max_num_seqs=1, compiled (default) or
+   `--enforce-eager`. Only one engine works at a time (an idle engine blocks on its input queue), so the
+   two never compete for the core vLLM pins its worker to; keeping both alive lets every rep visit each
+   context for both models back to back (ABBA: rep 0 runs MLA then built-in, rep 1 built-in then MLA, ...;
+   the contexts alternate ascending and descending), so slow drift of this shared, noisy machine hits both
+   models alike. The alternative (start A, measure, stop, start B) would put minutes between the two
+   models' numbers at each context.
+   max_num_batched_tokens is 512, not 8192: the plugin's prefill (TrinityLatentAttention._prefill) calls
+   torch SDPA with an explicit boolean mask, which on CPU takes the math path and holds ~2.25 x [32 heads x
+   chunk x context] float32 (measured: +1.2 GB for 512 x 8192), i.e. ~19 GB for one 8192-token chunk at
+   8192 context (the worker was OOM-killed there) and ~77 GB at 32k; 512 keeps it ~4.8 GB at 32k.
    One request at a time: random byte-token prompt (the same ids for both models), `--output-len` tokens,
    ignore_eos, temperature 0. Decode time per token from vLLM's own per-request timestamps
    (`RequestOutput.metrics`): (last_token_ts - first_token_ts) / (num_generation_tokens - 1). One discarded
    warm-up request per engine at the smallest context.
    kv_cache_memory_bytes: exactly what one max_model_len request of the built-in needs by vLLM 0.32's own
    rule (CPU block 128; full layers cdiv(max_model_len, 128) blocks; sliding layers
-   cdiv(window - 1 + 2 * max_num_batched_tokens, 128) + 1 blocks, 2 = max_concurrent_batches with async
-   scheduling; float32 K+V page 128 x 2 x 4 x 128 x 4 B), rounded up to MiB. vLLM's logged
-   "Maximum concurrency" lines of both engines at that budget are printed.
+   cdiv(window - 1 + max_num_batched_tokens, 128) + 1 blocks (no async scheduling on CPU, so
+   max_in_flight_tokens = max_num_batched_tokens; checked against the engine); float32 K+V page
+   128 x 2 x 4 x 128 x 4 B), rounded up to MiB. With --reuse-prefill: one request of every context at once,
+   so that the ABBA order never evicts a prompt that is about to be reused. vLLM's logged
+   "Maximum concurrency" lines of both engines at that budget are printed, with their ratio.
 3. Profile (default on): one more request per engine at the largest context with vLLM's torch profiler
    (`start_profile(delay_iterations=..., max_iterations=...)`, shapes recorded) over a few decode steps only;
    the trace is split into the attention custom ops (plugin: vllm::trn_latent_attention, whose children are
@@ -92,8 +105,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experts-per-tok", type=int, default=2)
     p.add_argument("--window", type=int, default=2048, help="sliding window (Trinity-Mini: 2048)")
     p.add_argument("--kv-lora-rank", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--kv-cache-bytes", type=int, help="default: one max_model_len request of the built-in")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="prefill chunk (default 512: MLA-Trinity's prefill needs ~2.25 x 32 heads x chunk x context x 4 B)",
+    )
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        help="default: one max_model_len request of the built-in (--reuse-prefill: one request per context at once)",
+    )
+    p.add_argument(
+        "--reuse-prefill",
+        action="store_true",
+        help="prefix caching on and one fixed prompt per context: only the first request per context and model "
+        "is really prefilled (see the description)",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="both engines eager (default: compiled)")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip part 3")
     p.add_argument("--profile-steps", type=int, default=6, help="decode steps profiled (default 6)")
@@ -144,7 +172,7 @@ def child_main(model_dir: str, engine_json: str) -> None:
             "max_in_flight_tokens": vc.max_in_flight_tokens,
             "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
             "async_scheduling": bool(getattr(vc.scheduler_config, "async_scheduling", False)),
-            "compilation_mode": str(vc.compilation_config.mode),
+            "compilation_mode": getattr(vc.compilation_config.mode, "name", str(vc.compilation_config.mode)),
         }
     )
     for line in sys.stdin:
@@ -173,6 +201,7 @@ def child_main(model_dir: str, engine_json: str) -> None:
                 "decode_s_per_token": None if m is None else (m.last_token_ts - m.first_token_ts) / max(n - 1, 1),
                 "prefill_s": None if m is None else m.first_token_ts - m.scheduled_ts,
                 "wall_s": wall,
+                "num_cached_tokens": out.num_cached_tokens,
                 "tokens": tokens[:16],
             }
         )
@@ -277,20 +306,23 @@ def write_checkpoints(args: argparse.Namespace, root: Path, max_pos: int) -> tup
     return {"mla": mla, "afmoe": afmoe}, cfg
 
 
-def builtin_kv_bytes(cfg: dict[str, Any], max_model_len: int, mnbt: int, block: int = CPU_BLOCK) -> dict[str, Any]:
-    """Bytes one max_model_len request of the built-in AFMoE needs, by vLLM 0.32's sizing rule (float32)."""
+def builtin_kv_bytes(cfg: dict[str, Any], lengths: list[int], mnbt: int, block: int = CPU_BLOCK) -> dict[str, Any]:
+    """Bytes the built-in AFMoE needs for one request of each length at once, by vLLM 0.32's sizing rule
+    (KVCacheSpec.max_memory_usage_bytes; float32; no async scheduling on CPU, so max_in_flight_tokens =
+    max_num_batched_tokens; each sliding layer holds window - 1 + in-flight tokens, + 1 block)."""
     page = block * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
     n_full = sum(t == "full_attention" for t in cfg["layer_types"])
     n_slide = len(cfg["layer_types"]) - n_full
-    in_flight = 2 * mnbt  # max_concurrent_batches (2 with async scheduling) x max_num_batched_tokens
-    full_blocks = cdiv(max_model_len, block)
-    slide_blocks = cdiv(min(cfg["sliding_window"] - 1 + in_flight, max_model_len), block) + 1
-    blocks = n_full * full_blocks + n_slide * slide_blocks
+    blocks = 0
+    for length in lengths:
+        full_blocks = cdiv(length, block)
+        slide_blocks = cdiv(min(cfg["sliding_window"] - 1 + mnbt, length), block) + 1
+        blocks += n_full * full_blocks + n_slide * slide_blocks
     return {
+        "lengths": lengths,
         "page_bytes": page,
-        "blocks_per_request": blocks,
-        "full_blocks_per_layer": full_blocks,
-        "sliding_blocks_per_layer": slide_blocks,
+        "blocks": blocks,
+        "assumed_max_in_flight_tokens": mnbt,
         "bytes": cdiv(blocks * page, MiB) * MiB,
     }
 
@@ -303,7 +335,7 @@ def measure(engines: dict[str, Engine], args: argparse.Namespace, max_tokens: in
         contexts = args.contexts if rep % 2 == 0 else args.contexts[::-1]
         for i, ctx in enumerate(contexts):
             order = keys if (rep + i) % 2 == 0 else keys[::-1]
-            prompt_seed = args.seed * 1_000_003 + rep * 100_003 + ctx  # same prompt for both models
+            prompt_seed = prompt_seed_for(args, rep, ctx)  # same prompt for both models
             for key in order:
                 ans = engines[key].request(
                     {"cmd": "generate", "len": ctx, "max_tokens": max_tokens, "prompt_seed": prompt_seed}
@@ -312,10 +344,16 @@ def measure(engines: dict[str, Engine], args: argparse.Namespace, max_tokens: in
                 runs.append({"model": key, "rep": rep, "context": ctx, **ans})
                 print(
                     f"  [{len(runs)}/{total}] rep {rep} {LABEL[key]:15} ctx {ctx:>6}: decode "
-                    f"{1e3 * ans['decode_s_per_token']:7.2f} ms/token, prefill {ans['prefill_s']:7.1f} s",
+                    f"{1e3 * ans['decode_s_per_token']:7.2f} ms/token, prefill {ans['prefill_s']:7.1f} s "
+                    f"({ans['num_cached_tokens']} prompt tokens from the prefix cache)",
                     flush=True,
                 )
     return runs
+
+
+def prompt_seed_for(args: argparse.Namespace, rep: int, ctx: int) -> int:
+    """A fresh prompt per rep; with --reuse-prefill one prompt per context (its cached prefix is reused)."""
+    return args.seed * 1_000_003 + (0 if args.reuse_prefill else rep) * 100_003 + ctx
 
 
 def check(ans: dict[str, Any], max_tokens: int, key: str) -> None:
@@ -377,7 +415,9 @@ def load_trace(profile_dir: Path) -> list[dict[str, Any]]:
 
 def nest(events: list[dict[str, Any]]) -> None:
     """Give each event `_parent` (index of its innermost enclosing event on the same thread)."""
-    order = sorted(range(len(events)), key=lambda i: (events[i].get("pid"), events[i].get("tid"), events[i]["ts"]))
+    order = sorted(
+        range(len(events)), key=lambda i: (str(events[i].get("pid")), str(events[i].get("tid")), events[i]["ts"])
+    )
     stack: list[int] = []
     last_thread = None
     for i in order:
@@ -391,21 +431,20 @@ def nest(events: list[dict[str, Any]]) -> None:
         stack.append(i)
 
 
-def child_label(e: dict[str, Any], r: int) -> str:
-    """Name a direct child of the latent-attention op by what it does in latent_attention.py."""
+def child_label(e: dict[str, Any], r: int, hkv: int, hd: int) -> str:
+    """Name a direct child of the latent-attention op by what it does in latent_attention.py (batch 1)."""
     name = e["name"]
     dims = (e.get("args") or {}).get("Input Dims") or []
     if name == "aten::einsum" and len(dims) > 1 and len(dims[1]) == 2:
         a, b = dims[1]
-        if len(a) == 3 and a[-1] == r and len(b) == 3 and b[-1] == r:
+        weight = list(b) == [hkv, hd, r]  # W_k or W_v, [Hkv, hd, r]; else the latents C [B, L, r]
+        if len(a) == 3 and weight:
             return "key-scale recompute: einsum C[L,r] x W_k^T -> [L, 4, 128]"
-        if len(a) == 4 and len(b) == 3 and b[-1] == r and a[-1] == b[1]:
-            return "einsum q -> q_lat (W_k^T q)"
-        if len(a) == 4 and len(b) == 3 and a[-1] == r and b[-1] == r and b[1] != a[-1]:
-            return "einsum scores q_lat . C"
-        if len(a) == 4 and len(b) == 3 and a[-1] == b[1]:
-            return "einsum u = p . C (latent sum)"
-        return "einsum W_v u (output)"
+        if len(a) == 4 and weight:
+            return "einsum q -> q_lat (W_k^T q)" if a[-1] == hd else "einsum W_v u (output)"
+        if len(a) == 4 and len(b) == 3:
+            return "einsum scores q_lat . C" if a[-1] == r else "einsum u = p . C (latent sum)"
+        return "einsum (other)"
     if name in ("aten::pow", "aten::mean", "aten::rsqrt"):
         return f"key-scale recompute: {name.removeprefix('aten::')}"
     if name in ("aten::index", "aten::zeros", "aten::new_zeros", "aten::copy_", "aten::slice", "aten::select"):
@@ -417,7 +456,7 @@ def child_label(e: dict[str, Any], r: int) -> str:
     return "other (" + name.removeprefix("aten::") + ")"
 
 
-def analyze_profile(profile_dir: Path, key: str, n_attn_layers: int, r: int) -> dict[str, Any]:
+def analyze_profile(profile_dir: Path, key: str, n_attn_layers: int, cfg: dict[str, Any], r: int) -> dict[str, Any]:
     events = load_trace(profile_dir)
     nest(events)
     attn_names = (
@@ -445,19 +484,28 @@ def analyze_profile(profile_dir: Path, key: str, n_attn_layers: int, r: int) -> 
         parts: dict[str, float] = {}
         for e in events:
             if e.get("_parent") in top_set:
-                lab = child_label(e, r)
+                lab = child_label(e, r, cfg["num_key_value_heads"], cfg["head_dim"])
                 parts[lab] = parts.get(lab, 0.0) + e["dur"] / 1e3 / max(steps, 1)
         res["latent_op_children_ms_per_step"] = dict(sorted(parts.items(), key=lambda kv: -kv[1]))
         res["key_scale_recompute_ms_per_step"] = sum(v for k, v in parts.items() if k.startswith("key-scale"))
-    # The step: the worker's execute_model spans, if annotated; else None.
-    steps_spans = [e["dur"] / 1e3 for e in events if e["name"].startswith(("execute_model", "gpu_model_runner"))]
-    res["annotated_step_spans_ms"] = steps_spans[:20]
+    # vLLM annotates each profiled step ("execute_context_<n>(<tokens>)_generation_<n>(<tokens>)").
+    spans = [e["dur"] / 1e3 for e in events if e["name"].startswith("execute_context")]
+    res["step_spans_ms"] = spans
+    res["step_ms_median"] = statistics.median(spans) if spans else None
     return res
 
 
-def run_profiles(engines: dict[str, Engine], args: argparse.Namespace, cfg: dict[str, Any], dirs: dict[str, Path]):  # noqa: ANN201
+def run_profiles(  # noqa: ANN201
+    engines: dict[str, Engine],
+    args: argparse.Namespace,
+    cfg: dict[str, Any],
+    dirs: dict[str, Path],
+    runs: list[dict[str, Any]],
+):
     ctx = max(args.contexts)
-    chunks = cdiv(ctx, args.max_num_batched_tokens)
+    # With --reuse-prefill the measured prompt is reused: only its uncached tail is prefilled (as in the last reps).
+    cached = max(r["num_cached_tokens"] or 0 for r in runs if r["context"] == ctx) if args.reuse_prefill else 0
+    chunks = cdiv(ctx - cached, args.max_num_batched_tokens)
     delay = chunks + 2  # skip the prefill chunks and the first decode steps
     max_tokens = min(args.output_len, args.profile_steps + 6)
     n_full = sum(t == "full_attention" for t in cfg["layer_types"])
@@ -469,7 +517,7 @@ def run_profiles(engines: dict[str, Engine], args: argparse.Namespace, cfg: dict
                 "cmd": "profile",
                 "len": ctx,
                 "max_tokens": max_tokens,
-                "prompt_seed": args.seed + 99,
+                "prompt_seed": prompt_seed_for(args, 0, ctx) if args.reuse_prefill else args.seed + 99,
                 "delay_iterations": delay,
                 "max_iterations": args.profile_steps,
             }
@@ -477,7 +525,7 @@ def run_profiles(engines: dict[str, Engine], args: argparse.Namespace, cfg: dict
         time.sleep(2)  # the worker writes its trace when the profiler stops
         n_attn = n_full if key == "mla" else len(cfg["layer_types"])
         try:
-            res = analyze_profile(dirs[key], key, n_attn, args.kv_lora_rank)
+            res = analyze_profile(dirs[key], key, n_attn, cfg, args.kv_lora_rank)
         except Exception as exc:  # noqa: BLE001  (report, do not lose the timing results)
             res = {"error": f"{type(exc).__name__}: {exc}"}
         res["decode_ms_per_token_during_profile"] = 1e3 * ans["decode_s_per_token"]
@@ -515,9 +563,13 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
             for c in ctxs
         ]
         print(f"  {LABEL[key]:16} " + "; ".join(parts))
-    print("per request (rep, ms/token), in run order:")
+    print("per request (context:ms/token, * = prompt mostly served from the prefix cache), in run order:")
     for key in MODELS:
-        items = [f"{r['context']}:{1e3 * r['decode_s_per_token']:.1f}" for r in res["runs"] if r["model"] == key]
+        items = [
+            f"{r['context']}:{1e3 * r['decode_s_per_token']:.1f}" + ("*" if (r["num_cached_tokens"] or 0) > 0 else "")
+            for r in res["runs"]
+            if r["model"] == key
+        ]
         print(f"  {LABEL[key]:16} " + ", ".join(items))
     agree = s["agreeing_prefix_tokens"]
     print(
@@ -526,22 +578,38 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
     )
 
     e = res["engines"]
-    kv = res["kv_budget"]
+    kv, kv_one, budget = res["kv_budget"], res["kv_budget_one_request"], res["kv_cache_bytes"]
+    what = " + ".join(str(n) for n in kv["lengths"])
     print(
-        f"\n== KV cache at kv_cache_memory_bytes = {res['kv_cache_bytes']:,} B ({res['kv_cache_bytes'] / MiB:.0f} MiB; "
-        f"computed for one {res['max_model_len']}-token request of the built-in: {kv['blocks_per_request']} blocks x "
-        f"{kv['page_bytes']:,} B) =="
+        f"\n== KV cache: both engines at kv_cache_memory_bytes = {budget:,} B ({budget / MiB:.0f} MiB) = what the "
+        f"built-in needs for one request of {what} tokens at once ({kv['blocks']} blocks x {kv['page_bytes']:,} B "
+        f"by vLLM's rule, assuming max_in_flight_tokens {kv['assumed_max_in_flight_tokens']}) =="
     )
+    conc = {}
     for key in MODELS:
         info = e[key]
         print(
             f"{LABEL[key]}: block_size {info['block_size']}, {info['num_blocks']} blocks, max_in_flight_tokens "
-            f"{info['max_in_flight_tokens']}, {info['compilation_mode']}, startup {info['startup_s']:.0f} s"
+            f"{info['max_in_flight_tokens']}, compilation {info['compilation_mode']}, startup {info['startup_s']:.0f} s"
         )
+        if info["max_in_flight_tokens"] != kv["assumed_max_in_flight_tokens"]:
+            print("  WARNING: max_in_flight_tokens differs from the budget's assumption: the budget is not exact")
         for line in info["log_concurrency"]:
             print(f"  log: {line.strip()}")
+            m = re.search(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x", line)
+            if m:
+                conc[key] = float(m.group(1))
         for line in info["log_groups"]:
             print(f"  log: {line.strip()}")
+    if len(conc) == 2:
+        note = ""
+        if budget != kv_one["bytes"]:
+            scale = kv_one["bytes"] / budget
+            note = (
+                f"; scaled to the one-{res['max_model_len']}-token-request budget ({kv_one['bytes'] / MiB:.0f} MiB): "
+                f"MLA {conc['mla'] * scale:.2f}x, built-in {conc['afmoe'] * scale:.2f}x"
+            )
+        print(f"capacity ratio MLA / built-in at the same bytes: {conc['mla'] / conc['afmoe']:.2f}x{note}")
 
     if "profile" in res:
         p = res["profile"]
@@ -557,16 +625,17 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
             tpot = s[key][p["context"]]["median"]
             att = x["attention_ms_per_step"]
             ops = ", ".join(f"{name} x{n}" for name, n in x["calls"].items())
+            step = x["step_ms_median"] or float("nan")
             print(
-                f"{LABEL[key]}: {x['steps']} steps; attention custom ops {att:.2f} ms/step = {att / tpot:.0%} of the "
-                f"unprofiled {tpot:.2f} ms/token (profiled request: {x['decode_ms_per_token_during_profile']:.2f} "
-                f"ms/token); ops {ops}"
+                f"{LABEL[key]}: {x['steps']} steps, profiled step {step:.2f} ms (median; unprofiled decode "
+                f"{tpot:.2f} ms/token); attention custom ops {att:.2f} ms/step = {att / step:.0%} of the profiled step "
+                f"({ops}); rest of the step (compiled model outside attention, sampling) {step - att:.2f} ms"
             )
             if key == "mla":
                 rec = x["key_scale_recompute_ms_per_step"]
                 print(
                     f"  key-scale recompute {rec:.2f} ms/step = {rec / att:.0%} of the latent op, "
-                    f"{rec / tpot:.0%} of the decode step; rest of the latent op {att - rec:.2f} ms"
+                    f"{rec / step:.0%} of the profiled step; the latent op without it: {att - rec:.2f} ms"
                 )
                 for lab, ms in x["latent_op_children_ms_per_step"].items():
                     if ms >= 0.05:
@@ -630,7 +699,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{cfg['sliding_window']}, {cfg['num_experts']} experts top-{cfg['num_experts_per_tok']}, "
         f"max_position_embeddings {cfg['max_position_embeddings']}, float32"
     )
-    kv = builtin_kv_bytes(cfg, max_model_len, args.max_num_batched_tokens)
+    kv_one = builtin_kv_bytes(cfg, [max_model_len], args.max_num_batched_tokens)
+    lengths = [c + args.output_len for c in args.contexts] if args.reuse_prefill else [max_model_len]
+    kv = builtin_kv_bytes(cfg, lengths, args.max_num_batched_tokens)
     kv_bytes = args.kv_cache_bytes or kv["bytes"]
     engine_kw = dict(
         dtype="float32",
@@ -638,14 +709,15 @@ def main(argv: list[str] | None = None) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=kv_bytes,
         max_num_seqs=1,
-        enable_prefix_caching=False,
+        enable_prefix_caching=args.reuse_prefill,
         enforce_eager=args.enforce_eager,
         disable_log_stats=False,  # fills RequestOutput.metrics
         seed=args.seed,
     )
     print(
         f"engines: max_model_len {max_model_len}, max_num_batched_tokens {args.max_num_batched_tokens}, "
-        f"kv_cache_memory_bytes {kv_bytes:,}, prefix caching off, max_num_seqs 1, "
+        f"kv_cache_memory_bytes {kv_bytes:,}, prefix caching "
+        f"{'ON (--reuse-prefill)' if args.reuse_prefill else 'off'}, max_num_seqs 1, "
         f"{'eager' if args.enforce_eager else 'compiled'}; contexts {args.contexts}, {args.reps} reps, "
         f"output {args.output_len}"
     )
@@ -656,6 +728,7 @@ def main(argv: list[str] | None = None) -> None:
         "config": cfg,
         "max_model_len": max_model_len,
         "kv_budget": kv,
+        "kv_budget_one_request": kv_one,
         "kv_cache_bytes": kv_bytes,
         "plugin_state": plugin_state(),
     }
@@ -684,7 +757,7 @@ def main(argv: list[str] | None = None) -> None:
         result["measure_s"] = time.perf_counter() - t0
         result["summary"] = summarize(result["runs"], args.contexts)
         if args.profile:
-            result["profile"] = run_profiles(engines, args, cfg, profile_dirs)
+            result["profile"] = run_profiles(engines, args, cfg, profile_dirs, result["runs"])
     finally:
         for eng in engines.values():
             eng.close()
