@@ -168,9 +168,8 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         qsl, seq_lens, bs = meta.query_start_loc, meta.seq_lens, meta.block_size
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._absorbed_decode(q[:nd], cache, meta.block_table[:nd], seq_lens[:nd], bs, Wk, Wv).to(
-                out.dtype
-            )
+            lat = [gather_latents(cache, meta.block_table[b], int(seq_lens[b]), bs) for b in range(nd)]
+            out[:nd] = self._absorbed_decode(q[:nd], lat, Wk, Wv).to(out.dtype)
         for b in range(nd, len(seq_lens)):
             s, e, L = int(qsl[b]), int(qsl[b + 1]), int(seq_lens[b])
             c = gather_latents(cache, meta.block_table[b], L, bs)
@@ -192,24 +191,18 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         return o.transpose(0, 1)
 
     def _absorbed_decode(
-        self,
-        q: torch.Tensor,
-        cache: torch.Tensor,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        block_size: int,
-        Wk: torch.Tensor,
-        Wv: torch.Tensor,
+        self, q: torch.Tensor, latents: list[torch.Tensor], Wk: torch.Tensor, Wv: torch.Tensor
     ) -> torch.Tensor:
         """One query per sequence; the history is read as latents, never expanded to K or V."""
         B, H, hd = q.shape
         Hkv = self.num_kv_heads
         group = H // Hkv
-        # One gather of every sequence's history, padded to the longest (pad rows masked below).
-        pos = torch.arange(int(seq_lens.max()), device=q.device)
-        pad = pos[None, :] >= seq_lens.to(q.device)[:, None]  # [B, Lmax]
-        slots = block_table.gather(1, (pos // block_size)[None, :].expand(B, -1).clamp(max=block_table.shape[1] - 1))
-        C = cache[slots * block_size + pos % block_size].float()  # [B, Lmax, r]
+        Lmax = max(x.shape[0] for x in latents)
+        C = q.new_zeros(B, Lmax, self.kv_lora_rank, dtype=torch.float32)
+        pad = torch.ones(B, Lmax, dtype=torch.bool, device=q.device)
+        for b, x in enumerate(latents):
+            C[b, : x.shape[0]] = x.float()
+            pad[b, : x.shape[0]] = False
         gamma = self.k_norm.weight.float()
         qg = (q.float() * gamma).view(B, Hkv, group, hd)
         q_lat = torch.einsum("bgjd,gdr->bgjr", qg, Wk)  # W_k,g^T (gamma * q_h)

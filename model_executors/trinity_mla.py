@@ -17,16 +17,19 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CacheConfig, VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
-from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.afmoe import (
     AfmoeAttention,
     AfmoeDecoderLayer,
+    AfmoeForCausalLM,
     AfmoeMLP,
     AfmoeMoE,
 )
-from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_index, make_layers
+from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_index, make_layers, maybe_prefix
+from vllm.sequence import IntermediateTensors
 
 from vllm_trn_plugin.model_executors.latent_attention import TrinityLatentAttention
 
@@ -111,6 +114,54 @@ class TrinityMLAModel(nn.Module):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        if self.config.mup_enabled:
+            x = x * (self.config.hidden_size**0.5)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)[0]
+
+
+class TrinityMLAForCausalLM(AfmoeForCausalLM):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        nn.Module.__init__(self)
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.quant_config = vllm_config.quant_config
+        self.model = TrinityMLAModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=self.quant_config)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.num_moe_layers = config.num_hidden_layers - config.num_dense_layers
+        self.num_expert_groups = config.n_group
+        moes = [layer.mlp for layer in self.model.layers if layer.moe_enabled]
+        self.moe_layers = [m.experts for m in moes]
+        if moes:
+            m = moes[0]
+            self.num_logical_experts = m.n_logical_experts
+            self.num_physical_experts = m.n_physical_experts
+            self.num_local_physical_experts = m.n_local_physical_experts
+            self.num_routed_experts = m.n_routed_experts
+            self.num_shared_experts = m.n_shared_experts
+            self.num_redundant_experts = m.n_redundant_experts
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Latent layers' attention tensors load by name; everything else through vLLM's AFMoE mapping."""
