@@ -9,8 +9,9 @@ Prefill rebuilds K and V from the cached latents and runs ordinary GQA attention
 absorbed: for query head h in group g, q~_h = W_k,g^T (gamma * q_h) (r-wide), the score of key i
 is scale * (q~_h . c_i) * s_g,i with s_g,i = 1 / rms(W_k,g c_i), the softmax-weighted sum stays
 in latent space (u_h = sum_i p_i c_i) and W_v,g is applied once, after. The key scale s is
-data-dependent (the key norm is kept), so it cannot fold into a matrix: it is recomputed from
-each latent in the decode path (see docs in README for the measured alternative).
+data-dependent (the key norm is kept), so it cannot fold into a matrix: it is computed once, when
+the latent is written, and kept in a per-layer side store indexed by the same slots (4 fp32 per
+token; docs/mla-trinity.md has the measurements behind this choice).
 
 The cache is vLLM's `MLAAttentionSpec(num_kv_heads=1, head_size=r)`: one r-wide row per token,
 managed by vLLM's full-attention block manager beside the sliding-window groups.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
@@ -85,11 +87,24 @@ class LatentAttentionBackend(AttentionBackend):
         return LatentMetadataBuilder
 
 
-def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """The first `length` cached latents of one request: [length, r]."""
-    pos = torch.arange(length, device=cache.device)
-    slots = block_table[pos // block_size] * block_size + pos % block_size
-    return cache[slots]
+_workspace: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def gather_blocks(blocks: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """Rows [0, length) of one request's paged history: `blocks` is [num_blocks, block_size, w].
+
+    Copied block by block into a reused workspace: a fresh tensor per call would page-fault its
+    pages in on every step (measured on CPU: 26 ms instead of 4 ms for 32 MB).
+    """
+    w = blocks.shape[-1]
+    n = block_ids.numel() * blocks.shape[1] * w
+    key = (blocks.dtype, blocks.device)
+    buf = _workspace.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _workspace[key] = torch.empty(n, dtype=blocks.dtype, device=blocks.device)
+    out = buf[:n].view(block_ids.numel(), blocks.shape[1], w)
+    torch.index_select(blocks, 0, block_ids, out=out)
+    return out.view(-1, w)[:length]
 
 
 class TrinityLatentAttention(nn.Module, AttentionLayerBase):
@@ -116,6 +131,7 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         self.q_norm = RMSNorm(hd, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps)
         self.kv_cache = torch.tensor([])
+        self.key_scales: torch.Tensor | None = None  # [cache rows, Hkv] fp32, beside kv_cache
 
         ctx = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in ctx:
@@ -151,6 +167,16 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         w = self.kv_b_proj.weight.float()
         return w[: Hkv * hd].view(Hkv, hd, r), w[Hkv * hd :].view(Hkv, hd, r)
 
+    def key_scale(self, c: torch.Tensor, Wk: torch.Tensor) -> torch.Tensor:
+        """s_g,i = 1 / rms(W_k,g c_i) for latents c [n, r]: [n, Hkv] fp32."""
+        return torch.rsqrt(torch.einsum("nr,gdr->ngd", c.float(), Wk).pow(2).mean(-1) + self.eps)
+
+    def _scale_store(self, rows: int, device: torch.device) -> torch.Tensor:
+        # Allocated on first use at the cache's size; NaN so a read of a slot never written shows.
+        if self.key_scales is None or self.key_scales.shape[0] != rows:
+            self.key_scales = torch.full((rows, self.num_kv_heads), float("nan"), device=device)
+        return self.key_scales
+
     def attend(self, q: torch.Tensor, latent: torch.Tensor, output: torch.Tensor) -> None:
         meta = get_forward_context().attn_metadata
         meta = meta.get(self.prefix) if isinstance(meta, dict) else None
@@ -158,62 +184,63 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
             output.zero_()
             return
         assert isinstance(meta, LatentMetadata)
-        T = meta.num_actual_tokens
-        cache = self.kv_cache.view(-1, self.kv_lora_rank)
-        valid = meta.slot_mapping >= 0
-        cache[meta.slot_mapping[valid]] = latent[:T][valid].to(cache.dtype)
-
+        T, r, bs = meta.num_actual_tokens, self.kv_lora_rank, meta.block_size
+        cache = self.kv_cache.view(-1, r)
+        scales = self._scale_store(cache.shape[0], cache.device)
         Wk, Wv = self._kv_weights()
+        valid = meta.slot_mapping >= 0
+        slots = meta.slot_mapping[valid]
+        new = latent[:T][valid].to(cache.dtype)
+        cache[slots] = new
+        scales[slots] = self.key_scale(new, Wk)  # from the latent as stored
+
         out = output[:T].view(T, self.num_heads, self.head_dim)
-        qsl, seq_lens, bs = meta.query_start_loc, meta.seq_lens, meta.block_size
-        nd = meta.num_decodes
-        if nd:
-            lat = [gather_latents(cache, meta.block_table[b], int(seq_lens[b]), bs) for b in range(nd)]
-            out[:nd] = self._absorbed_decode(q[:nd], lat, Wk, Wv).to(out.dtype)
-        for b in range(nd, len(seq_lens)):
-            s, e, L = int(qsl[b]), int(qsl[b + 1]), int(seq_lens[b])
-            c = gather_latents(cache, meta.block_table[b], L, bs)
-            out[s:e] = self._prefill(q[s:e], c, Wk, Wv).to(out.dtype)
+        cache_blocks, scale_blocks = cache.view(-1, bs, r), scales.view(-1, bs, self.num_kv_heads)
+        qsl, seq_lens, nd = meta.query_start_loc, meta.seq_lens, meta.num_decodes
+        for b in range(len(seq_lens)):
+            L = int(seq_lens[b])
+            ids = meta.block_table[b, : -(-L // bs)]
+            c = gather_blocks(cache_blocks, ids, L)
+            if b < nd:
+                s = scale_blocks[ids].view(-1, self.num_kv_heads)[:L]
+                out[b] = self._absorbed_decode(q[b], c, s, Wk, Wv).to(out.dtype)
+            else:
+                s, e = int(qsl[b]), int(qsl[b + 1])
+                out[s:e] = self._prefill(q[s:e], c, Wk, Wv).to(out.dtype)
         output[T:] = 0
 
     def _prefill(self, q: torch.Tensor, c: torch.Tensor, Wk: torch.Tensor, Wv: torch.Tensor) -> torch.Tensor:
         """Rebuild K, V from latents c [L, r]; causal GQA for the last q.shape[0] positions."""
         n, L = q.shape[0], c.shape[0]
         cf = c.float()
-        k = self.k_norm(torch.einsum("lr,gdr->lgd", cf, Wk).to(c.dtype)).float()  # [L, Hkv, hd]
-        v = torch.einsum("lr,gdr->lgd", cf, Wv)
-        group = self.num_heads // self.num_kv_heads
-        k = k.repeat_interleave(group, 1).transpose(0, 1)  # [H, L, hd]
-        v = v.repeat_interleave(group, 1).transpose(0, 1)
-        qf = q.float().transpose(0, 1)  # [H, n, hd]
-        mask = torch.arange(L)[None, :] <= (torch.arange(n) + L - n)[:, None]
-        o = torch.nn.functional.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=self.scaling)
-        return o.transpose(0, 1)
+        k = self.k_norm(torch.einsum("lr,gdr->gld", cf, Wk).to(c.dtype)).float()  # [Hkv, L, hd]
+        v = torch.einsum("lr,gdr->gld", cf, Wv)
+        # 4-D with enable_gqa and a lower-right causal bias: torch's CPU flash kernel, no [H, n, L]
+        # mask or score tensor in memory, no K/V repeated per q head.
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.float().transpose(0, 1)[None],
+            k[None],
+            v[None],
+            attn_mask=causal_lower_right(n, L),
+            scale=self.scaling,
+            enable_gqa=True,
+        )
+        return o[0].transpose(0, 1)
 
     def _absorbed_decode(
-        self, q: torch.Tensor, latents: list[torch.Tensor], Wk: torch.Tensor, Wv: torch.Tensor
+        self, q: torch.Tensor, c: torch.Tensor, s: torch.Tensor, Wk: torch.Tensor, Wv: torch.Tensor
     ) -> torch.Tensor:
-        """One query per sequence; the history is read as latents, never expanded to K or V."""
-        B, H, hd = q.shape
-        Hkv = self.num_kv_heads
+        """One query q [H, hd] over latents c [L, r] with key scales s [L, Hkv]; K, V never formed."""
+        H, hd = q.shape
+        Hkv, r = self.num_kv_heads, self.kv_lora_rank
         group = H // Hkv
-        Lmax = max(x.shape[0] for x in latents)
-        C = q.new_zeros(B, Lmax, self.kv_lora_rank, dtype=torch.float32)
-        pad = torch.ones(B, Lmax, dtype=torch.bool, device=q.device)
-        for b, x in enumerate(latents):
-            C[b, : x.shape[0]] = x.float()
-            pad[b, : x.shape[0]] = False
-        gamma = self.k_norm.weight.float()
-        qg = (q.float() * gamma).view(B, Hkv, group, hd)
-        q_lat = torch.einsum("bgjd,gdr->bgjr", qg, Wk)  # W_k,g^T (gamma * q_h)
-        # Exact per-key norm scale, recomputed from each latent: 1 / rms(W_k,g c_i).
-        kk = torch.einsum("blr,gdr->blgd", C, Wk)
-        inv_rms = torch.rsqrt(kk.pow(2).mean(-1) + self.eps)  # [B, L, Hkv]
-        scores = torch.einsum("bgjr,blr->bgjl", q_lat, C) * inv_rms.permute(0, 2, 1)[:, :, None, :]
-        scores = (scores * self.scaling).masked_fill(pad[:, None, None, :], float("-inf"))
-        p = torch.softmax(scores, -1)
-        u = torch.einsum("bgjl,blr->bgjr", p, C)  # sum in latent space
-        return torch.einsum("bgjr,gdr->bgjd", u, Wv).reshape(B, H, hd)
+        qg = (q.float() * self.k_norm.weight.float()).view(Hkv, group, hd)
+        q_lat = torch.einsum("gjd,gdr->gjr", qg, Wk).reshape(H, r)  # W_k,g^T (gamma * q_h)
+        cf = c.float()
+        scores = (q_lat @ cf.t()).view(Hkv, group, -1) * (s.t() * self.scaling)[:, None, :]
+        p = torch.softmax(scores, -1).view(H, -1)
+        u = (p @ cf).view(Hkv, group, r)  # the weighted sum stays in latent space
+        return torch.einsum("gjr,gdr->gjd", u, Wv).reshape(H, hd)
 
 
 def _latent_attention_op(q: torch.Tensor, latent: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
