@@ -54,7 +54,7 @@ CHILD = textwrap.dedent(
     from vllm.v1.worker.utils import customize_attention_spec
     from vllm_trn_plugin import register
 
-    MAX_MODEL_LEN, BUDGET = int(sys.argv[1]), 16 << 30
+    MAX_MODEL_LEN, KV_DTYPE, BUDGET = int(sys.argv[1]), sys.argv[2], 16 << 30
     records = []
 
     class Capture(logging.Handler):
@@ -66,7 +66,7 @@ CHILD = textwrap.dedent(
     def config(ckpt):
         return EngineArgs(
             model=ckpt, dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=2048,
-            enforce_eager=True, skip_tokenizer_init=True,
+            enforce_eager=True, skip_tokenizer_init=True, kv_cache_dtype=KV_DTYPE,
         ).create_engine_config()
 
     def describe(spec):
@@ -117,11 +117,11 @@ CHILD = textwrap.dedent(
         }
 
     register()
-    with set_current_vllm_config(config(sys.argv[2])):
+    with set_current_vllm_config(config(sys.argv[3])):
         init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, "gloo")
         ensure_model_parallel_initialized(1, 1)
     results = {}
-    for ckpt in sys.argv[2:]:
+    for ckpt in sys.argv[3:]:
         vc = config(ckpt)
         cls, _ = get_model_architecture(vc.model_config)
         with set_current_vllm_config(vc), torch.device("meta"):
@@ -156,17 +156,29 @@ def write_config(out: Path, arch: str, **extra: object) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("trinity-mini-configs")
-    mla = write_config(root / "mla-trinity", "TrinityMLAForCausalLM", kv_lora_rank=TRINITY_MINI_MLA["kv_lora_rank"])
-    afmoe = write_config(root / "afmoe", "AfmoeForCausalLM")
+def run_child(kv_cache_dtype: str, *ckpts: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(MAX_MODEL_LEN), mla, afmoe], capture_output=True, text=True, timeout=900
+        [sys.executable, "-c", CHILD, str(MAX_MODEL_LEN), kv_cache_dtype, *ckpts],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS")]
     assert line, f"child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    out = json.loads(line[0].removeprefix("RESULTS"))
+    return json.loads(line[0].removeprefix("RESULTS"))
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("trinity-mini-configs")
+    mla = write_config(root / "mla-trinity", "TrinityMLAForCausalLM", kv_lora_rank=TRINITY_MINI_MLA["kv_lora_rank"])
+    return mla, write_config(root / "afmoe", "AfmoeForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def results(configs: tuple[str, str]) -> dict:
+    mla, afmoe = configs
+    out = run_child("auto", mla, afmoe)
     return {"mla": out[mla], "afmoe": out[afmoe], "control": out["control"]}
 
 
@@ -262,3 +274,20 @@ def test_fallback_warning_is_captured_when_it_happens(results: dict) -> None:
     ctl = results["control"]
     assert any(FALLBACK_WARNINGS[0] in w for w in ctl["warnings"]), ctl["warnings"]
     assert not any(g["type"] == "SlidingWindowSpec" for g in ctl["groups"]), ctl["groups"]
+
+
+def test_fp8_kv_cache_applies_to_sliding_layers_only(configs: tuple[str, str]) -> None:
+    """`--kv-cache-dtype fp8`: sliding layers' K/V in FP8 (1 B), the latent stays in the model dtype, and
+    vLLM still groups the sliding layers as sliding windows (the page ratio is now 2, still an integer)."""
+    res = run_child("fp8", configs[0])[configs[0]]
+    for i in SLIDING_LAYERS:
+        s = res["layers"][sliding_name(i)]
+        assert s["type"] == "SlidingWindowSpec" and s["sliding_window"] == 2048, (i, s)
+        assert s["dtype"] in ("torch.float8_e4m3fn", "torch.uint8"), (i, s)
+        assert bytes_per_token(s) == 4 * (128 + 128), (i, s)
+    for i in LATENT_LAYERS:
+        s = res["layers"][f"model.layers.{i}.self_attn"]
+        assert (s["type"], s["head_size"], s["dtype"]) == ("MLAAttentionSpec", 256, "torch.bfloat16"), (i, s)
+    latent = check_grouping(res, "MLAAttentionSpec", [f"model.layers.{i}.self_attn" for i in LATENT_LAYERS])
+    sliding_block = {g["block_size"] for g in res["groups"] if g["type"] == "SlidingWindowSpec"}
+    assert latent["block_size"] == 2 * sliding_block.pop()
