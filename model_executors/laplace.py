@@ -26,6 +26,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
@@ -44,6 +45,8 @@ from vllm_trn_plugin.kernels.simple_gla import (
     simple_gla_decode_step,
 )
 from vllm_trn_plugin.model_executors.gla_state import GLAStateBackend, GLAStateMetadata
+from vllm_trn_plugin.model_executors.mxfp4_fp8 import check_all_loaded, packed_weights
+from vllm_trn_plugin.quantization import TrnMxfp4Fp8Config
 
 
 def laplace_state_shapes(config: LaplaceConfig) -> tuple[tuple[int, ...], ...]:
@@ -180,13 +183,15 @@ direct_register_custom_op(
 
 
 class LaplaceMLP(nn.Module):
-    def __init__(self, config: LaplaceConfig, prefix: str) -> None:
+    def __init__(self, config: LaplaceConfig, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         F_ = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [F_, F_], bias=False, prefix=f"{prefix}.gate_up_proj"
+            config.hidden_size, [F_, F_], bias=False, quant_config=quant_config, prefix=f"{prefix}.gate_up_proj"
         )
-        self.down_proj = RowParallelLinear(F_, config.hidden_size, bias=False, prefix=f"{prefix}.down_proj")
+        self.down_proj = RowParallelLinear(
+            F_, config.hidden_size, bias=False, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)[0].chunk(2, dim=-1)
@@ -194,12 +199,14 @@ class LaplaceMLP(nn.Module):
 
 
 class LaplaceDecoderLayer(nn.Module):
-    def __init__(self, config: LaplaceConfig, model_dtype: torch.dtype, prefix: str) -> None:
+    def __init__(
+        self, config: LaplaceConfig, model_dtype: torch.dtype, quant_config: QuantizationConfig | None, prefix: str
+    ) -> None:
         super().__init__()
         self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.mixer = LaplaceMixer(config, model_dtype, prefix=f"{prefix}.mixer")
         self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
-        self.mlp = LaplaceMLP(config, prefix=f"{prefix}.mlp")
+        self.mlp = LaplaceMLP(config, quant_config, prefix=f"{prefix}.mlp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.mixer(self.attn_norm(x))
@@ -214,7 +221,7 @@ class LaplaceModel(nn.Module):
         dtype = vllm_config.model_config.dtype
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LaplaceDecoderLayer(config, dtype, prefix=maybe_prefix(prefix, f"layers.{i}"))
+            LaplaceDecoderLayer(config, dtype, vllm_config.quant_config, prefix=maybe_prefix(prefix, f"layers.{i}"))
             for i in range(config.num_hidden_layers)
         )
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
@@ -245,8 +252,15 @@ class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         if vllm_config.parallel_config.tensor_parallel_size != 1:
             raise ValueError("LaplaceForCausalLM: tensor parallelism is not supported (tensor_parallel_size must be 1)")
         self.config = config
+        self.quant_config = vllm_config.quant_config
+        self.model_dir = vllm_config.model_config.model
         self.model = LaplaceModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size,
+            config.hidden_size,
+            quant_config=self.quant_config,
+            prefix=maybe_prefix(prefix, "lm_head"),
+        )
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -274,6 +288,9 @@ class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         return laplace_state_dtypes(vllm_config.model_config.dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        packed = isinstance(self.quant_config, TrnMxfp4Fp8Config)
+        if packed:  # the plugin's streaming reader: errors name the file; MXFP4 arrives as FP8 rows
+            weights = packed_weights(self.model_dir, self.quant_config.is_mxfp4)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -294,6 +311,8 @@ class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
                     loader = default_weight_loader
                 loader(param, tensor)
             loaded.add(target)
+        if packed:  # vLLM checks completeness only for unquantized models
+            check_all_loaded(self, loaded)
         return loaded
 
 

@@ -32,6 +32,8 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_in
 from vllm.sequence import IntermediateTensors
 
 from vllm_trn_plugin.model_executors.latent_attention import TrinityLatentAttention
+from vllm_trn_plugin.model_executors.mxfp4_fp8 import check_all_loaded, packed_weights
+from vllm_trn_plugin.quantization import TrnMxfp4Fp8Config
 
 
 def is_latent_layer(config, layer_idx: int) -> bool:  # noqa: ANN001
@@ -137,6 +139,7 @@ class TrinityMLAForCausalLM(AfmoeForCausalLM):
         config = vllm_config.model_config.hf_config
         self.config = config
         self.quant_config = vllm_config.quant_config
+        self.model_dir = vllm_config.model_config.model
         self.model = TrinityMLAModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=self.quant_config)
         self.logits_processor = LogitsProcessor(config.vocab_size)
@@ -164,7 +167,14 @@ class TrinityMLAForCausalLM(AfmoeForCausalLM):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Latent layers' attention tensors load by name; everything else through vLLM's AFMoE mapping."""
+        """Latent layers' attention tensors load by name; everything else through vLLM's AFMoE mapping.
+
+        A packed checkpoint is read by the plugin's own streaming reader instead of vLLM's iterator
+        (its errors name the file; MXFP4 matrices arrive expanded to FP8 rows).
+        """
+        packed = isinstance(self.quant_config, TrnMxfp4Fp8Config)
+        if packed:
+            weights = packed_weights(self.model_dir, self.quant_config.is_mxfp4)
         params = dict(self.named_parameters())
         latent_prefixes = tuple(
             f"model.layers.{i}.self_attn."
@@ -194,4 +204,6 @@ class TrinityMLAForCausalLM(AfmoeForCausalLM):
                 loaded.add(name)
 
         loaded |= AutoWeightsLoader(self).load_weights(rest(), mapper=self.hf_to_vllm_mapper)
+        if packed:  # vLLM checks completeness only for unquantized models
+            check_all_loaded(self, loaded)
         return loaded

@@ -246,8 +246,10 @@ def load_hf_model(model_dir: str | Path) -> Any:
 
 
 @torch.no_grad()
-def hf_greedy(model_dir: str | Path, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
+def hf_greedy(model_dir: str | Path | torch.nn.Module, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
     """Greedy decoding with transformers' AfmoeForCausalLM (prefill, then one token at a time with a KV cache).
+
+    `model_dir` is a checkpoint directory (see load_hf_model) or an already loaded model.
 
     Returns a dict with
       tokens: list[int], the max_tokens generated ids (EOS is not special: decoding never stops early);
@@ -256,7 +258,7 @@ def hf_greedy(model_dir: str | Path, prompt_ids: list[int], max_tokens: int) -> 
       prefill_logits: float32 tensor [vocab], the logits at the last prompt position;
       step_logits: float32 tensor [max_tokens, vocab], the logits each token was chosen from.
     """
-    model = load_hf_model(model_dir)
+    model = model_dir if isinstance(model_dir, torch.nn.Module) else load_hf_model(model_dir)
     ids = torch.tensor([prompt_ids], dtype=torch.long)
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     past = out.past_key_values

@@ -2,6 +2,8 @@
 
 One token at a time in float64, straight from the safetensors file: no vLLM, no plugin code.
 Every equation is the spec's per-token recurrence, so it is the oracle for the served model.
+A packed checkpoint (config.json declares `quantization_config`) is read by tests/packed_reference.py
+and its quantized matrices apply FP8 activations, as the served FP8 layers must.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from tests.packed_reference import fp8_matmul, load_packed
+
 
 @dataclass
 class Greedy:
@@ -27,7 +31,11 @@ class LaplaceReference:
     def __init__(self, ckpt: str | Path) -> None:
         ckpt = Path(ckpt)
         self.cfg = json.loads((ckpt / "config.json").read_text())
-        self.w = {k: v.to(torch.float64) for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+        if "quantization_config" in self.cfg:
+            self.w, self.fp8 = load_packed(ckpt)
+        else:
+            self.w = {k: v.to(torch.float64) for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+            self.fp8 = set()
         c = self.cfg
         self.H, self.dk, self.dv, self.D = c["num_heads"], c["head_k_dim"], c["head_v_dim"], c["hidden_size"]
         self.L, self.W = c["num_hidden_layers"], c["conv_size"]
@@ -49,6 +57,11 @@ class LaplaceReference:
 
     def _ln(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.layer_norm(x, (self.D,), self.w[name + ".weight"], self.w[name + ".bias"], self.cfg["norm_eps"])
+
+    def _linear(self, module: str, x: torch.Tensor) -> torch.Tensor:
+        if module in self.fp8:
+            return fp8_matmul(self.w, module, x)
+        return self.w[module + ".weight"] @ x
 
     def step(self, token: int, state: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Consume one token, update `state` in place, return the next-token logits (float64)."""
@@ -77,10 +90,9 @@ class LaplaceReference:
             y = F.silu(g) * torch.cat(heads)
             x = x + w[p + "mixer.o_proj.weight"] @ y
             h = self._ln(x, p + "ffn_norm")
-            gate = w[p + "mlp.gate_proj.weight"] @ h
-            up = w[p + "mlp.up_proj.weight"] @ h
-            x = x + w[p + "mlp.down_proj.weight"] @ (F.silu(gate) * up)
-        return w["lm_head.weight"] @ self._ln(x, "model.norm")
+            gate, up = self._linear(p + "mlp.gate_proj", h), self._linear(p + "mlp.up_proj", h)
+            x = x + self._linear(p + "mlp.down_proj", F.silu(gate) * up)
+        return self._linear("lm_head", self._ln(x, "model.norm"))
 
     def greedy(self, prompt: list[int], max_tokens: int) -> Greedy:
         state = self.new_state()

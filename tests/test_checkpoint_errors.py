@@ -11,11 +11,13 @@ import subprocess
 import sys
 import textwrap
 from functools import partial
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from vllm_trn_plugin.demo import write_laplace_demo, write_trinity_demo
+from vllm_trn_plugin.loaders.packed import pack
 
 LOAD_ALL = textwrap.dedent(
     """
@@ -84,6 +86,53 @@ def test_bad_tensors_are_named(tmp_path) -> None:
             lambda t: t.update({latent + "kv_a_proj.weight": torch.zeros(128, 512)}),
         ): (latent + "kv_a_proj.weight"),
     }
+
+    # Packed checkpoints (vllm-trn pack of the demos): every broken file is named with its tensor (and row).
+    def packed(writer, name: str, edit=None) -> str:  # noqa: ANN001
+        d = pack(variant(writer, name + "-src"), tmp_path / name).dst
+        if edit is not None:
+            f = str(d / "model.safetensors")
+            t = load_file(f)
+            edit(t)
+            save_file(t, f)
+        return str(d)
+
+    def truncate(d: str) -> str:
+        f = Path(d) / "model.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size * 2 // 3])
+        return d
+
+    def nan_scale(t: dict) -> None:
+        t[mlp + "weight_scale"][5, 1] = 0xFF
+
+    def spread_14(t: dict) -> None:
+        s = t[mlp + "weight_scale"]
+        s[7] = s[7].max()  # every block of row 7 at the top exponent, then one block 14 octaves below
+        s[7, 3] -= 14
+        t[mlp + "weight_packed"][7, 48:64] = 0x11  # block 3 holds nonzero codes (0.5)
+
+    expert = "model.layers.1.mlp.experts.3.up_proj."
+    mlp = "model.layers.0.mlp.gate_proj."  # Trinity demo's dense layer
+    goods += [packed(write_trinity_demo, "trinity-packed"), packed(laplace, "laplace-packed")]
+    packed_cases = {
+        packed(write_trinity_demo, "p-nan", nan_scale): ("model.safetensors", mlp + "weight_packed", "row 5"),
+        packed(write_trinity_demo, "p-spread", spread_14): ("model.safetensors", mlp + "weight_packed", "row 7", "14"),
+        packed(write_trinity_demo, "p-no-scale", lambda t: t.pop(expert + "weight_scale")): (
+            "model.safetensors",
+            expert + "weight_packed",
+        ),
+        packed(
+            write_trinity_demo,
+            "p-no-expert",
+            lambda t: [t.pop(expert + k) for k in ("weight_packed", "weight_scale", "bias")],
+        ): ("model.layers.1.mlp.experts", "w13_weight", "(3, 'w3')"),
+        packed(laplace, "p-dtype", lambda t: t.update({"lm_head.weight_scale": t["lm_head.weight_scale"].double()})): (
+            "model.safetensors",
+            "lm_head.weight_scale",
+        ),
+        truncate(packed(laplace, "p-truncated")): ("model.safetensors", "truncated"),
+    }
+    cases.update({k: v[0] for k, v in packed_cases.items()})
     proc = subprocess.run([sys.executable, "-c", LOAD_ALL, *goods, *cases], capture_output=True, text=True, timeout=900)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS")]
     assert line, f"loader script failed:\n{proc.stderr[-3000:]}"
@@ -92,3 +141,6 @@ def test_bad_tensors_are_named(tmp_path) -> None:
         assert results[good] == "loaded", results[good]
     for ckpt, tensor_name in cases.items():
         assert tensor_name in results[ckpt], f"{ckpt}: error does not name {tensor_name}: {results[ckpt]}"
+    for ckpt, parts in packed_cases.items():
+        for part in parts:
+            assert part in results[ckpt], f"{ckpt}: error does not name {part!r}: {results[ckpt]}"

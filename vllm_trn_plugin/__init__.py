@@ -32,6 +32,7 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP, MambaModelConfig
 
+    import vllm_trn_plugin.quantization  # noqa: F401  (registers the trn-mxfp4-fp8 method)
     from vllm_trn_plugin.configs import LaplaceConfig
 
     _init_cpu_amx()

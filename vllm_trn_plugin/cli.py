@@ -68,6 +68,17 @@ def demo(args: argparse.Namespace) -> None:
     print(f"wrote a random {args.model} checkpoint to {out}; serve it with: vllm-trn serve {out}")
 
 
+def pack(args: argparse.Namespace) -> None:
+    from vllm_trn_plugin.loaders.packed import pack as pack_checkpoint
+
+    report = pack_checkpoint(args.src, args.dst, lm_head=not args.keep_lm_head)
+    print(
+        f"wrote {report.dst}: {len(report.quantized)} MXFP4 matrices, FP8 {report.fp8 or 'none'}, "
+        f"{len(report.copied)} tensors copied, {report.bytes_written / 2**20:.1f} MiB in {len(report.shards)} shard(s)"
+    )
+    print(f"note: {report.note}")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
@@ -80,10 +91,16 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("dir")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    k = sub.add_parser(
+        "pack",
+        help="write the packed checkpoint (MXFP4 MLP/expert matrices, FP8 LM head; docs/packed-format.md) of SRC",
+    )
+    k.add_argument("src")
+    k.add_argument("dst")
+    k.add_argument("--keep-lm-head", action="store_true", help="leave lm_head unquantized")
     sub.add_parser("serve", help="vllm serve DIR [vLLM options]: the OpenAI-compatible server", add_help=False)
     args = p.parse_args(argv)
-    if args.cmd == "demo":
-        demo(args)
+    {"demo": demo, "pack": pack}[args.cmd](args)
 
 
 if __name__ == "__main__":

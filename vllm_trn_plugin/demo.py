@@ -7,6 +7,7 @@ geometry is a scaled-down copy of the real one (same tensor names, same head str
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -174,9 +175,9 @@ TRINITY_DEMO: dict[str, Any] = dict(
 )
 
 
-def random_trinity_weights(config: Any, seed: int = 0) -> dict[str, torch.Tensor]:
+def iter_trinity_weights(config: Any, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Random fp32 tensors under MLA-Trinity's checkpoint names (spec §3: transformers' AFMoE names,
-    kv_a_proj/kv_b_proj on full-attention layers, one tensor per expert)."""
+    kv_a_proj/kv_b_proj on full-attention layers, one tensor per expert), one at a time."""
     g = torch.Generator().manual_seed(seed)
     D, H, Hkv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
     r, V = config.kv_lora_rank, config.vocab_size
@@ -184,42 +185,43 @@ def random_trinity_weights(config: Any, seed: int = 0) -> dict[str, torch.Tensor
     def randn(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * std + mean
 
-    def mlp(prefix: str, inner: int) -> dict[str, torch.Tensor]:
-        return {
-            prefix + "gate_proj.weight": randn(inner, D, std=D**-0.5),
-            prefix + "up_proj.weight": randn(inner, D, std=D**-0.5),
-            prefix + "down_proj.weight": randn(D, inner, std=inner**-0.5),
-        }
+    def mlp(prefix: str, inner: int) -> Iterator[tuple[str, torch.Tensor]]:
+        yield prefix + "gate_proj.weight", randn(inner, D, std=D**-0.5)
+        yield prefix + "up_proj.weight", randn(inner, D, std=D**-0.5)
+        yield prefix + "down_proj.weight", randn(D, inner, std=inner**-0.5)
 
-    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(V, D, std=D**-0.5)}
+    yield "model.embed_tokens.weight", randn(V, D, std=D**-0.5)
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        t[a + "q_proj.weight"] = randn(H * hd, D, std=D**-0.5)
+        yield a + "q_proj.weight", randn(H * hd, D, std=D**-0.5)
         if config.layer_types[i] == "full_attention":
-            t[a + "kv_a_proj.weight"] = randn(r, D, std=D**-0.5)
-            t[a + "kv_b_proj.weight"] = randn(2 * Hkv * hd, r, std=r**-0.5)
+            yield a + "kv_a_proj.weight", randn(r, D, std=D**-0.5)
+            yield a + "kv_b_proj.weight", randn(2 * Hkv * hd, r, std=r**-0.5)
         else:
-            t[a + "k_proj.weight"] = randn(Hkv * hd, D, std=D**-0.5)
-            t[a + "v_proj.weight"] = randn(Hkv * hd, D, std=D**-0.5)
-        t[a + "o_proj.weight"] = randn(D, H * hd, std=(H * hd) ** -0.5)
-        t[a + "gate_proj.weight"] = randn(H * hd, D, std=D**-0.5)
-        t[a + "q_norm.weight"] = randn(hd, std=0.1, mean=1.0)
-        t[a + "k_norm.weight"] = randn(hd, std=0.1, mean=1.0)
+            yield a + "k_proj.weight", randn(Hkv * hd, D, std=D**-0.5)
+            yield a + "v_proj.weight", randn(Hkv * hd, D, std=D**-0.5)
+        yield a + "o_proj.weight", randn(D, H * hd, std=(H * hd) ** -0.5)
+        yield a + "gate_proj.weight", randn(H * hd, D, std=D**-0.5)
+        yield a + "q_norm.weight", randn(hd, std=0.1, mean=1.0)
+        yield a + "k_norm.weight", randn(hd, std=0.1, mean=1.0)
         for n in ("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm", "post_mlp_layernorm"):
-            t[p + n + ".weight"] = randn(D, std=0.1, mean=1.0)
+            yield p + n + ".weight", randn(D, std=0.1, mean=1.0)
         if i < config.num_dense_layers:
-            t.update(mlp(p + "mlp.", config.intermediate_size))
+            yield from mlp(p + "mlp.", config.intermediate_size)
         else:
             E = config.num_experts
-            t[p + "mlp.router.gate.weight"] = randn(E, D, std=D**-0.5)
-            t[p + "mlp.expert_bias"] = randn(E, std=0.1)
-            t.update(mlp(p + "mlp.shared_experts.", config.moe_intermediate_size * config.num_shared_experts))
+            yield p + "mlp.router.gate.weight", randn(E, D, std=D**-0.5)
+            yield p + "mlp.expert_bias", randn(E, std=0.1)
+            yield from mlp(p + "mlp.shared_experts.", config.moe_intermediate_size * config.num_shared_experts)
             for e in range(E):
-                t.update(mlp(p + f"mlp.experts.{e}.", config.moe_intermediate_size))
-    t["model.norm.weight"] = randn(D, std=0.1, mean=1.0)
-    t["lm_head.weight"] = randn(V, D, std=4 * D**-0.5)
-    return t
+                yield from mlp(p + f"mlp.experts.{e}.", config.moe_intermediate_size)
+    yield "model.norm.weight", randn(D, std=0.1, mean=1.0)
+    yield "lm_head.weight", randn(V, D, std=4 * D**-0.5)
+
+
+def random_trinity_weights(config: Any, seed: int = 0) -> dict[str, torch.Tensor]:
+    return dict(iter_trinity_weights(config, seed))
 
 
 def write_trinity_demo(

@@ -1,0 +1,200 @@
+"""Packed MXFP4 checkpoints: expansion speed, startup time, peak memory and resident expert bytes, side by side.
+
+Run (from the repository root)::
+
+    .venv/bin/python deploy/bench_packed_load.py                # ~15 min, ~9 GB of disk under bench-out/
+    .venv/bin/python deploy/bench_packed_load.py --moe-layers 1 # quick look (packed checkpoint < 2 GB)
+
+1. Expansion throughput: `loaders.mxfp4.expand_rows` on a random [rows x 2048] MXFP4 matrix vs this machine's
+   memcpy (torch copy of a buffer the size of the FP8 output), interleaved reps, same thread count; printed as
+   output bytes per second and as a ratio of memcpy bandwidth.
+2. One MLA-Trinity checkpoint at Trinity-Mini's layer geometry (hidden 2048, 128 experts x 1024, 32 q / 4 KV
+   heads x 128, latent 256, [S, S, S, F] pattern) with `--moe-layers` MoE layers after one dense layer, written
+   in bf16 tensor by tensor (shards of ~1 GB), and its packed form (`vllm-trn pack`). Each is loaded by vLLM
+   (`vllm.LLM`, CPU, enforce_eager, one in-process executor) in a fresh child process: time to a ready engine
+   (construction of LLM, which includes building, loading and the profile run) and the child's peak RSS
+   (ru_maxrss), then the bytes of the routed-expert parameters resident in the model
+   (w13/w2 weights, plus scales and bias-correction vectors for FP8).
+The bf16 engine runs first, then the packed one, then both again (two reps each, interleaved), and the medians
+are compared: the machine is noisy, the ratios are what count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+CHILD = """
+import json, os, resource, sys, time
+t0 = time.perf_counter()
+from vllm import LLM
+llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=512, enforce_eager=True,
+          kv_cache_memory_bytes=64 << 20, distributed_executor_backend="uni", skip_tokenizer_init=False)
+ready = time.perf_counter() - t0
+
+def expert_bytes(model):
+    total = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name and (".w13_" in name or ".w2_" in name):
+            total += p.numel() * p.element_size()
+    return total
+
+nbytes = llm.apply_model(expert_bytes)[0]
+print("RESULT" + json.dumps({"ready_s": ready, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                             "expert_bytes": nbytes}))
+"""
+
+
+def expansion(reps: int, rows: int) -> dict:
+    from vllm_trn_plugin.loaders.mxfp4 import expand_rows
+
+    g = torch.Generator().manual_seed(0)
+    cols = 2048
+    packed = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
+    scales = (118 + torch.randint(0, 8, (rows, cols // 32), generator=g)).to(torch.uint8)  # spread 7, as shipped
+    src, dst = torch.empty(rows * cols, dtype=torch.uint8), torch.empty(rows * cols, dtype=torch.uint8)
+    src.fill_(1)
+    dst.copy_(src)
+    expand_rows(packed, scales, file="bench", tensor="w")
+    t_exp, t_cpy = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        expand_rows(packed, scales, file="bench", tensor="w")
+        t_exp.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        dst.copy_(src)
+        t_cpy.append(time.perf_counter() - t)
+    out_bytes = rows * cols
+    e, c = statistics.median(t_exp), statistics.median(t_cpy)
+    return {
+        "elements": out_bytes,
+        "expand_GBps": out_bytes / e / 1e9,
+        "memcpy_GBps": out_bytes / c / 1e9,
+        "ratio": c / e,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def write_bf16(out: Path, moe_layers: int) -> Path:
+    from safetensors.torch import save_file
+    from transformers import AfmoeConfig
+
+    from vllm_trn_plugin.demo import SPECIAL_TOKENS, TRINITY_MINI, iter_trinity_weights, write_byte_tokenizer
+
+    n = 1 + moe_layers
+    types = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(n)]
+    config = AfmoeConfig(
+        **{**TRINITY_MINI, "num_hidden_layers": n, "num_dense_layers": 1, "layer_types": types, "vocab_size": 259}
+    )
+    config.architectures = ["TrinityMLAForCausalLM"]
+    config.eos_token_id = 256 + SPECIAL_TOKENS.index("<|im_end|>")
+    config.pad_token_id = 256 + SPECIAL_TOKENS.index("<|endoftext|>")
+    out.mkdir(parents=True)
+    shard: dict[str, torch.Tensor] = {}
+    index: dict[str, str] = {}
+    size, k = 0, 0
+
+    def flush() -> None:
+        nonlocal shard, size, k
+        name = f"model-{k:05d}.safetensors"
+        save_file(shard, str(out / name), {"format": "pt"})
+        index.update({t: name for t in shard})
+        shard, size, k = {}, 0, k + 1
+
+    for name, t in iter_trinity_weights(config, seed=0):
+        shard[name] = t.to(torch.bfloat16)
+        size += shard[name].numel() * 2
+        if size >= 1 << 30:
+            flush()
+    if shard:
+        flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    cfg = config.to_dict()
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    write_byte_tokenizer(out)
+    return out
+
+
+def dir_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.glob("*.safetensors"))
+
+
+def load_once(ckpt: Path) -> dict:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(ckpt)], capture_output=True, text=True, env=env)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
+    if not line:
+        raise SystemExit(f"engine on {ckpt} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(line[0].removeprefix("RESULT"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--moe-layers", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--out", default="bench-out/bench_packed_load")
+    args = ap.parse_args()
+    from vllm_trn_plugin.loaders.packed import pack
+
+    root = Path(args.out)
+    print("== expansion throughput (loaders.mxfp4.expand_rows) vs memcpy, same run")
+    ex = expansion(reps=7, rows=16384)
+    print(
+        f"{ex['elements'] / 1e6:.0f}M elements, {ex['threads']} threads: expand {ex['expand_GBps']:.2f} GB/s of FP8 "
+        f"output, memcpy {ex['memcpy_GBps']:.2f} GB/s -> expansion runs at {ex['ratio']:.3f} x memcpy"
+    )
+
+    bf16, packed = root / "bf16", root / "packed"
+    if not (bf16 / "config.json").exists():
+        t = time.perf_counter()
+        write_bf16(bf16, args.moe_layers)
+        print(f"wrote {bf16} in {time.perf_counter() - t:.0f} s")
+    if not (packed / "config.json").exists():
+        t = time.perf_counter()
+        pack(bf16, packed)
+        print(f"packed to {packed} in {time.perf_counter() - t:.0f} s")
+    sizes = {"bf16": dir_bytes(bf16), "packed": dir_bytes(packed)}
+    print(f"checkpoint bytes: bf16 {sizes['bf16'] / 1e9:.2f} GB, packed {sizes['packed'] / 1e9:.2f} GB")
+
+    runs: dict[str, list[dict]] = {"bf16": [], "packed": []}
+    for rep in range(args.reps):
+        for kind, ckpt in (("bf16", bf16), ("packed", packed)):
+            r = load_once(ckpt)
+            runs[kind].append(r)
+            print(
+                f"  rep {rep} {kind:>6}: ready {r['ready_s']:.1f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB, "
+                f"expert params {r['expert_bytes'] / 2**30:.3f} GiB"
+            )
+    med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
+    b, p = med["bf16"], med["packed"]
+    print("== medians (packed vs bf16)")
+    print(
+        f"startup to ready engine: {p['ready_s']:.1f} s vs {b['ready_s']:.1f} s "
+        f"(ratio {p['ready_s'] / b['ready_s']:.2f})"
+    )
+    print(
+        f"peak RSS: {p['peak_rss'] / 2**30:.2f} vs {b['peak_rss'] / 2**30:.2f} GiB "
+        f"(ratio {p['peak_rss'] / b['peak_rss']:.2f})"
+    )
+    print(
+        f"resident expert bytes: {p['expert_bytes'] / 2**30:.3f} vs {b['expert_bytes'] / 2**30:.3f} GiB "
+        f"(bf16 / FP8 = {b['expert_bytes'] / p['expert_bytes']:.2f}x)"
+    )
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "result.json").write_text(
+        json.dumps({"expansion": ex, "checkpoint_bytes": sizes, "runs": runs, "medians": med}, indent=2)
+    )
+
+
+if __name__ == "__main__":
+    main()

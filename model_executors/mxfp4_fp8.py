@@ -1,0 +1,265 @@
+"""FP8 layer methods for packed MXFP4 checkpoints (the `trn-mxfp4-fp8` method, vllm_trn_plugin/quantization.py).
+
+The layers hold what the loader produces (loaders/mxfp4.py: exact MXFP4 -> FP8 rows):
+
+- MLP / shared-expert linears: `weight` FP8 [out, in], `weight_scale` fp32 [out],
+  `bias_correction` fp32 [out];
+- routed experts: `w13_weight` FP8 [E, 2I, H] (gate rows, then up rows), `w2_weight` FP8 [E, H, I],
+  their `*_weight_scale` [E, rows] and `*_bias_correction` [E, rows];
+- LM head: `weight` FP8 [vocab, hidden], `weight_scale` fp32 [vocab].
+
+Every one computes kernels/fp8_matmul.fp8_linear (per-token FP8 activations, FP8 x FP8, fp32
+accumulation, both scales on the accumulator's output, then the bias). Everything else (attention,
+norms, embeddings, routers) is unquantized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import Parameter
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+from vllm.model_executor.layers.linear import LinearMethodBase
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.model_executor.utils import set_weight_attrs
+from vllm.utils.torch_utils import direct_register_custom_op
+
+from vllm_trn_plugin.kernels.fp8_matmul import FP8_DTYPE, fp8_linear
+from vllm_trn_plugin.loaders.mxfp4 import CheckpointFormatError, ExpandedMatrix
+from vllm_trn_plugin.loaders.packed import iter_checkpoint
+from vllm_trn_plugin.quantization import QUANT_NAME
+
+
+def _fp8_param(shape: tuple[int, ...], dtype: torch.dtype, **attrs: Any) -> Parameter:
+    # NaN-free but recognisable: a parameter the checkpoint never filled is caught by the loader's check.
+    p = Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+    set_weight_attrs(p, attrs)
+    return p
+
+
+def _tracking(loader: Callable[..., Any], seen: set[tuple[str, Any]], name: str) -> Callable[..., Any]:
+    def load(param: Parameter, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        result = loader(param, loaded_weight, *args, **kwargs)
+        seen.add((name, args[0] if args else kwargs.get("loaded_shard_id")))
+        return result
+
+    return load
+
+
+def _check_complete(layer: torch.nn.Module, seen: set, expected: dict[str, set]) -> None:
+    where = getattr(layer, "layer_name", None) or getattr(layer, "prefix", None) or type(layer).__name__
+    for name, parts in expected.items():
+        missing = sorted(str(p) for p in parts if (name, p) not in seen)
+        if missing:
+            raise CheckpointFormatError(
+                f"{where}.{name}: never loaded for {missing} (a tensor is missing from the checkpoint)"
+            )
+
+
+class Fp8RowLinearMethod(LinearMethodBase):
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        out = sum(output_partition_sizes)
+        self.seen: set[tuple[str, Any]] = set()
+        shards = set(range(len(output_partition_sizes))) if len(output_partition_sizes) > 1 else {None}
+        self.expected = {n: shards for n in ("weight", "weight_scale", "bias_correction")}
+        loader = extra_weight_attrs["weight_loader"]
+
+        def attrs(name: str, **dims: int) -> dict[str, Any]:
+            return {**dims, "weight_loader": _tracking(loader, self.seen, name)}
+
+        shape = (out, input_size_per_partition)
+        layer.register_parameter("weight", _fp8_param(shape, FP8_DTYPE, **attrs("weight", input_dim=1, output_dim=0)))
+        for name in ("weight_scale", "bias_correction"):
+            layer.register_parameter(name, _fp8_param((out,), torch.float32, **attrs(name, output_dim=0)))
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = fp8_linear(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, layer.bias_correction)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+class Fp8LMHeadMethod(QuantizeMethodBase):
+    """FP8 LM head: the same FP8 x FP8 math, no bias correction."""
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        out = sum(output_partition_sizes)
+        loader = extra_weight_attrs["weight_loader"]
+        layer.register_parameter(
+            "weight",
+            _fp8_param((out, input_size_per_partition), FP8_DTYPE, input_dim=1, output_dim=0, weight_loader=loader),
+        )
+        layer.register_parameter("weight_scale", _fp8_param((out,), torch.float32, output_dim=0, weight_loader=loader))
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = fp8_linear(x, layer.weight, layer.weight_scale)
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+
+    def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("the FP8 LM head is not an input embedding (the models do not tie them)")
+
+
+class Fp8RowMoEMethod(FusedMoEMethodBase):
+    """Routed experts on FP8 rows: per expert, gate/up as one FP8 matmul, SiLU(gate) x up, down, weighted sum."""
+
+    def create_weights(
+        self,
+        layer: RoutedExperts,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        if not self.moe.is_act_and_mul:
+            raise ValueError(f"{QUANT_NAME}: experts without a gated activation are not supported")
+        if self.moe.moe_parallel_config.use_ep or self.moe.moe_parallel_config.tp_size != 1:
+            raise ValueError(f"{QUANT_NAME}: FP8 experts run with tensor/expert parallel size 1 only")
+        E, H, I = num_experts, hidden_size, intermediate_size_per_partition
+        self.seen: set[tuple[str, Any]] = set()
+        self.expected: dict[str, set] = {}
+        for prefix, (rows, cols), shards in (("w13_", (2 * I, H), ("w1", "w3")), ("w2_", (H, I), ("w2",))):
+            for name, shape, dtype in (
+                ("weight", (E, rows, cols), FP8_DTYPE),
+                ("weight_scale", (E, rows), torch.float32),
+                ("bias_correction", (E, rows), torch.float32),
+            ):
+                layer.register_parameter(
+                    prefix + name, _fp8_param(shape, dtype, weight_loader=self._loader(prefix + name, I))
+                )
+                self.expected[prefix + name] = {(e, sh) for e in range(E) for sh in shards}
+
+    def _loader(self, param_name: str, I: int) -> Callable[..., bool]:
+        def load(
+            param: Parameter,
+            loaded_weight: torch.Tensor,
+            weight_name: str,
+            shard_id: str,
+            expert_id: int,
+            return_success: bool = False,
+        ) -> bool:
+            dst = param.data[expert_id]
+            if shard_id in ("w1", "w3"):
+                dst = dst.narrow(0, 0 if shard_id == "w1" else I, I)
+            if dst.shape != loaded_weight.shape:
+                raise CheckpointFormatError(
+                    f"checkpoint tensor {weight_name} (expert {expert_id}, {shard_id}): shape "
+                    f"{tuple(loaded_weight.shape)}, {param_name} expects {tuple(dst.shape)}"
+                )
+            dst.copy_(loaded_weight)
+            self.seen.add((param_name, (expert_id, shard_id)))
+            return True
+
+        return load
+
+    def get_fused_moe_quant_config(self, layer: RoutedExperts) -> None:
+        return None
+
+    def apply(
+        self,
+        layer: RoutedExperts,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: Any,
+        shared_experts_input: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return torch.ops.vllm.trn_fp8_experts(
+            x,
+            topk_weights,
+            topk_ids,
+            layer.w13_weight,
+            layer.w13_weight_scale,
+            layer.w13_bias_correction,
+            layer.w2_weight,
+            layer.w2_weight_scale,
+            layer.w2_bias_correction,
+        )
+
+
+def fp8_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    b13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    b2: torch.Tensor,
+) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k], every product FP8."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in topk_ids.unique().tolist():
+        tok, k = (topk_ids == e).nonzero(as_tuple=True)
+        gate, up = fp8_linear(x[tok], w13[e], s13[e], b13[e]).chunk(2, dim=-1)
+        y = fp8_linear(torch.nn.functional.silu(gate) * up, w2[e], s2[e], b2[e])
+        out.index_add_(0, tok, y * topk_weights[tok, k, None].float())
+    return out.to(x.dtype)
+
+
+def _fp8_experts_fake(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+# Opaque to torch.compile: which experts run depends on the data.
+direct_register_custom_op(op_name="trn_fp8_experts", op_func=fp8_experts, fake_impl=_fp8_experts_fake)
+
+
+def packed_weights(model_dir: str | Path, quantized: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The packed checkpoint as the models' load_weights expect it, streamed tensor by tensor.
+
+    `<m>.weight` MXFP4 -> `<m>.weight` (FP8) and `<m>.weight_scale` (fp32 per row); `<m>.bias` of a
+    quantized `<m>` -> `<m>.bias_correction`; the FP8 LM head -> `lm_head.weight`, `lm_head.weight_scale`.
+    A matrix the loader could only give as bf16 (allow_bf16) is refused here: these layers are FP8.
+    """
+    if not Path(model_dir).is_dir():
+        raise ValueError(f"{QUANT_NAME}: packed checkpoints are read from a local directory, got {model_dir!r}")
+    for name, t in iter_checkpoint(model_dir):
+        module, _, leaf = name.rpartition(".")
+        if isinstance(t, ExpandedMatrix):
+            if not t.is_fp8:
+                raise CheckpointFormatError(t.note)
+            yield name, t.weight
+            yield f"{module}.weight_scale", t.row_scale.reshape(t.weight.shape[:-1])
+        elif leaf == "bias" and quantized(module):
+            yield f"{module}.bias_correction", t
+        else:
+            yield name, t
+
+
+def check_all_loaded(model: torch.nn.Module, loaded: set[str]) -> None:
+    """Every parameter filled, and every shard / expert of each FP8 parameter (vLLM itself checks completeness
+    only for unquantized models, and only per parameter)."""
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        raise CheckpointFormatError(
+            f"{type(model).__name__}: the checkpoint has no tensor for {len(missing)} parameter(s): "
+            f"{', '.join(missing[:8])}"
+        )
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, (Fp8RowLinearMethod, Fp8RowMoEMethod)):
+            _check_complete(module, method.seen, method.expected)

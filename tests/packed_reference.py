@@ -1,0 +1,98 @@
+"""An independent float64 reading of packed checkpoints and the FP8 math the served models must compute.
+
+Written from the format and kernel descriptions (docs/packed-format.md, ../shared/notes/mxfp4-fp8.md),
+not from the plugin's loader: MXFP4 codes are decoded by table lookup and powers of two in float64
+(element 2j in the low nibble of byte j, sign bit 3, E8M0 scale 2^(e - 127) per 32 elements), the FP8
+LM head is its float8 values times its row scale, and every quantized matrix multiplies an activation
+rounded per token to Trainium2 FP8 (`ml_dtypes.float8_e4m3`, scale amax / 240), plus its bias.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+
+
+def load_packed(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Every tensor of the checkpoint in float64 under its unpacked name, and the names of the FP8 modules."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(ckpt).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    out: dict[str, torch.Tensor] = {}
+    fp8: set[str] = set()
+    for name, t in tensors.items():
+        if name.endswith(".weight_packed"):
+            m = name.removesuffix(".weight_packed")
+            codes = t.to(torch.int64)
+            c = torch.stack((codes & 15, codes >> 4), -1).reshape(codes.shape[0], -1)
+            values = torch.where(c >= 8, -1.0, 1.0).double() * E2M1[c & 7]
+            scale = torch.exp2(tensors[m + ".weight_scale"].double() - 127).repeat_interleave(32, -1)
+            out[m + ".weight"] = values * scale
+            fp8.add(m)
+        elif name.endswith(".weight") and t.dtype == torch.float8_e4m3fn:
+            m = name.removesuffix(".weight")
+            out[name] = t.double() * tensors[m + ".weight_scale"].double().reshape(-1, 1)
+            fp8.add(m)
+        elif not name.endswith(".weight_scale"):
+            out[name] = t.double()
+    return out, fp8
+
+
+def fp8_activation(x: torch.Tensor) -> torch.Tensor:
+    """x rounded per row (last dim) to Trainium2 FP8 with scale amax / 240, returned in float64."""
+    x = x.double()
+    amax = x.abs().amax(-1, keepdim=True)
+    s = torch.where(amax > 0, amax / 240.0, 1.0)
+    q = (x / s).numpy().astype(ml_dtypes.float8_e4m3).astype(np.float64)
+    return torch.from_numpy(q) * s
+
+
+def fp8_matmul(weights: dict[str, torch.Tensor], module: str, x: torch.Tensor) -> torch.Tensor:
+    """y = W Q(x) + b for a quantized module (x [..., in]); the bias is the checkpoint's bias-correction vector."""
+    y = fp8_activation(x) @ weights[module + ".weight"].T
+    bias = weights.get(module + ".bias")
+    return y if bias is None else y + bias
+
+
+def patch_afmoe_fp8(model: torch.nn.Module, weights: dict[str, torch.Tensor], fp8: set[str]) -> torch.nn.Module:
+    """transformers' AfmoeForCausalLM with each quantized MLP, shared expert, routed expert group and LM head replaced
+    by the FP8 math on the packed checkpoint's matrices (in place; the router, attention and norms stay
+    transformers')."""
+    F = torch.nn.functional
+
+    def mlp(prefix: str, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(fp8_matmul(weights, f"{prefix}.gate_proj", x)) * fp8_matmul(weights, f"{prefix}.up_proj", x)
+        return fp8_matmul(weights, f"{prefix}.down_proj", h)
+
+    def dense(prefix: str):  # noqa: ANN202
+        return lambda x: mlp(prefix, x).to(x.dtype)
+
+    def routed(prefix: str):  # noqa: ANN202
+        def forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(x.shape, dtype=torch.float64)
+            for e in top_k_index.unique().tolist():
+                tok, k = torch.where(top_k_index == e)
+                y = mlp(f"{prefix}.{e}", x[tok])
+                out.index_add_(0, tok, y * top_k_weights[tok, k, None].double())
+            return out.to(x.dtype)
+
+        return forward
+
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}.mlp"
+        if hasattr(layer.mlp, "experts"):
+            if f"{p}.shared_experts.gate_proj" in fp8:
+                layer.mlp.shared_experts.forward = dense(f"{p}.shared_experts")
+            if f"{p}.experts.0.gate_proj" in fp8:
+                layer.mlp.experts.forward = routed(f"{p}.experts")
+        elif f"{p}.gate_proj" in fp8:
+            layer.mlp.forward = dense(p)
+    if "lm_head" in fp8:
+        model.lm_head.forward = lambda x: fp8_matmul(weights, "lm_head", x).to(x.dtype)
+    return model
