@@ -130,11 +130,6 @@ def _check_nan_scales(scales2: torch.Tensor, lead: tuple[int, ...], file: str, t
         )
 
 
-def _pow2_f32(k: torch.Tensor) -> torch.Tensor:
-    """2^k as float32, built from the exponent bits (exact; k must lie in [-126, 127])."""
-    return ((k.to(torch.int32) + 127) << 23).view(torch.float32)
-
-
 def _block_stats(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per block: holds a nonzero element (sign bit ignored); per row: e_max over those blocks."""
     mags = (codes & 0x77).view(codes.shape[0], -1, BLOCK_SIZE // 2)
@@ -143,6 +138,30 @@ def _block_stats(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tenso
     e_max = torch.where(nonzero, e, -1).amax(-1)
     e_max = torch.where(e_max < 0, _ZERO_ROW_EMAX, e_max)
     return nonzero, e_max
+
+
+_PAIR_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _pair_table(device: torch.device) -> torch.Tensor:
+    """int16 [(MAX_ROW_SPREAD + 1) * 256]: entry d * 256 + b holds the FP8 bytes of byte b's two E2M1 codes at
+    shift d, c * 2^(5 - d): the low code's byte first in memory (little-endian), as the elements are ordered."""
+    if device not in _PAIR_TABLES:
+        import sys
+
+        if sys.byteorder != "little":
+            raise RuntimeError("the MXFP4 -> FP8 pair table assumes a little-endian host")
+        lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float64)
+        d = torch.arange(MAX_ROW_SPREAD + 1, dtype=torch.float64)
+        vals = lut[None, :] * torch.exp2(ROW_HEADROOM - d)[:, None]  # [d, code]
+        fp8 = vals.to(torch.float8_e4m3fn)
+        if not torch.equal(fp8.to(torch.float64), vals):  # every value on the grid: the 13-octave rule
+            raise RuntimeError("MXFP4 -> FP8 table is not exact")
+        b = fp8.view(torch.uint8).to(torch.int32)  # [d, code]
+        byte = torch.arange(256)
+        pair = b[:, byte & 15] | (b[:, byte >> 4] << 8)  # [d, 256]
+        _PAIR_TABLES[device] = pair.to(torch.int16).reshape(-1).to(device)  # wraps to int16 bit patterns
+    return _PAIR_TABLES[device]
 
 
 def _unpack_values(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -200,6 +219,7 @@ def expand_rows(
 
     w_fp8 = torch.empty(rows, n_in, dtype=torch.float8_e4m3fn, device=packed.device)
     row_exp = torch.empty(rows, dtype=torch.int16, device=packed.device)
+    pairs = torch.empty(min(rows, max(1, _ROWS_PER_CHUNK_ELEMS // n_in)) * n_in // 2, dtype=torch.int16)
     step = max(1, _ROWS_PER_CHUNK_ELEMS // n_in)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
@@ -224,14 +244,12 @@ def expand_rows(
                 None,
                 f"{file}: tensor {tensor}: loaded as bfloat16 (exact), not FP8: {reason}",
             )
-        # Zero blocks may have any shift (even negative); clamping keeps their factor finite and they stay 0.
-        factor = _pow2_f32((ROW_HEADROOM - shift).clamp(-126, ROW_HEADROOM))
-        vals = _unpack_values(codes, torch.float32).view(r1 - r0, -1, BLOCK_SIZE) * factor.unsqueeze(-1)
-        vals = vals.view(r1 - r0, n_in)
-        chunk = vals.to(torch.float8_e4m3fn)
-        if not torch.equal(chunk.to(torch.float32), vals):  # cannot happen given the shift check
-            raise RuntimeError(f"{file}: tensor {tensor}: internal error: FP8 expansion not exact")
-        w_fp8[r0:r1] = chunk
+        # One table lookup per packed byte: both elements' FP8 bytes for the block's shift d (zero codes map
+        # to +-0 whatever d, so zero blocks may take any clamped shift).
+        base = (shift.clamp(0, MAX_ROW_SPREAD).to(torch.int32) << 8).unsqueeze(-1)  # [rows, blocks, 1]
+        idx = (base + codes.view(r1 - r0, -1, BLOCK_SIZE // 2)).view(-1)  # int32, broadcast over each block's bytes
+        torch.index_select(_pair_table(codes.device), 0, idx, out=pairs[: idx.numel()])
+        w_fp8[r0:r1] = pairs[: idx.numel()].view(torch.float8_e4m3fn).view(r1 - r0, n_in)
         row_exp[r0:r1] = e_max
     row_scale = torch.exp2(row_exp.to(torch.float64) - (_E8M0_BIAS + ROW_HEADROOM)).to(torch.float32)
     return ExpandedMatrix(w_fp8.view(*lead, n_in), row_scale.view(lead))
