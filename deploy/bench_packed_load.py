@@ -13,8 +13,8 @@ Run (from the repository root)::
    in bf16 tensor by tensor (shards of ~1 GB), and its packed form (`vllm-trn pack`). Each is loaded by vLLM
    (`vllm.LLM`, CPU, enforce_eager, one in-process executor) in a fresh child process: time to a ready engine
    (construction of LLM, which includes building, loading and the profile run) and the child's peak RSS
-   (ru_maxrss), then the bytes of the routed-expert parameters resident in the model
-   (w13/w2 weights, plus scales and bias-correction vectors for FP8).
+   (VmHWM: the file pages of the checkpoint being read count while mapped), then the bytes of the routed-expert
+   parameters resident in the model (w13/w2 weights, plus scales and bias-correction vectors for FP8).
 The bf16 engine runs first, then the packed one, then both again (two reps each, interleaved), and the medians
 are compared: the machine is noisy, the ratios are what count.
 """
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 CHILD = """
-import json, os, resource, sys, time
+import json, sys, time
 t0 = time.perf_counter()
 from vllm import LLM
 llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=512, enforce_eager=True,
@@ -48,8 +48,9 @@ def expert_bytes(model):
     return total
 
 nbytes = llm.apply_model(expert_bytes)[0]
-print("RESULT" + json.dumps({"ready_s": ready, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                             "expert_bytes": nbytes}))
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a child would report its parent's peak.
+hwm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
+print("RESULT" + json.dumps({"ready_s": ready, "peak_rss": hwm, "expert_bytes": nbytes}))
 """
 
 

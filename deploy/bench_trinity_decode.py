@@ -7,8 +7,7 @@ Run (from the repository root)::
 
 Why so long (float32, one core per engine): prefill. A 32k prompt costs 32 q heads x 128 x 32768^2 / 2 x 4 flop
 ~ 8.8 TFLOP of causal attention on the one global layer plus ~3 TFLOP on the three sliding layers, whatever the
-hidden size: measured 395 s for the built-in and 518 s for MLA-Trinity (whose prefill rebuilds K/V of the whole
-history and runs torch SDPA with an explicit mask over it for every chunk). By default (as briefed) prefix
+hidden size: measured ~390 s for the built-in and ~357 s for MLA-Trinity. By default (as briefed) prefix
 caching is off and every request is prefilled: ~15 min per rep at 32k for the two models, plus one more such
 pair for the profile. `--reuse-prefill` turns prefix caching on and uses one fixed prompt per context (the same
 for both models), so only the first request per context and model is prefilled; the later ones take the prompt
@@ -36,10 +35,8 @@ What it does:
    the contexts alternate ascending and descending), so slow drift of this shared, noisy machine hits both
    models alike. The alternative (start A, measure, stop, start B) would put minutes between the two
    models' numbers at each context.
-   max_num_batched_tokens is 512, not 8192: the plugin's prefill (TrinityLatentAttention._prefill) calls
-   torch SDPA with an explicit boolean mask, which on CPU takes the math path and holds ~2.25 x [32 heads x
-   chunk x context] float32 (measured: +1.2 GB for 512 x 8192), i.e. ~19 GB for one 8192-token chunk at
-   8192 context (the worker was OOM-killed there) and ~77 GB at 32k; 512 keeps it ~4.8 GB at 32k.
+   max_num_batched_tokens is 512 (`--max-num-batched-tokens`): small prefill chunks keep the sliding layers'
+   per-request reservation (window - 1 + in-flight tokens) and the prefill's rebuilt K/V small.
    One request at a time: random byte-token prompt (the same ids for both models), `--output-len` tokens,
    ignore_eos, temperature 0. Decode time per token from vLLM's own per-request timestamps
    (`RequestOutput.metrics`): (last_token_ts - first_token_ts) / (num_generation_tokens - 1). One discarded
@@ -109,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-num-batched-tokens",
         type=int,
         default=512,
-        help="prefill chunk (default 512: MLA-Trinity's prefill needs ~2.25 x 32 heads x chunk x context x 4 B)",
+        help="prefill chunk (max_num_batched_tokens)",
     )
     p.add_argument(
         "--kv-cache-bytes",
