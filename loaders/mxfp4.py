@@ -171,16 +171,24 @@ def _unpack_values(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).view(codes.shape[0], -1)
 
 
+def _rows(
+    packed: torch.Tensor, scales: torch.Tensor, file: str, tensor: str
+) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor]:
+    """Checked codes and scales as 2-D row matrices, with the leading (row-labelling) shape."""
+    _check_packed(packed, scales, file, tensor)
+    lead = tuple(packed.shape[:-1])
+    codes2, scales2 = packed.reshape(-1, packed.shape[-1]), scales.reshape(-1, scales.shape[-1])
+    _check_nan_scales(scales2, lead, file, tensor)
+    return lead, codes2, scales2
+
+
 def decode_mxfp4(packed: torch.Tensor, scales: torch.Tensor, *, file: str = "?", tensor: str = "?") -> torch.Tensor:
     """Exact decode to bfloat16 [..., out, in]: w = c * 2^(e - 127).
 
     c has at most two significant bits and bf16 has float32's exponent range, so every value is
     exact; only 6 * 2^127 and similar (scale bytes >= 253 with large codes) overflow, which raises.
     """
-    _check_packed(packed, scales, file, tensor)
-    lead = tuple(packed.shape[:-1])
-    codes2, scales2 = packed.reshape(-1, packed.shape[-1]), scales.reshape(-1, scales.shape[-1])
-    _check_nan_scales(scales2, lead, file, tensor)
+    lead, codes2, scales2 = _rows(packed, scales, file, tensor)
     rows, n_in = codes2.shape[0], codes2.shape[1] * 2
     out = torch.empty(rows, n_in, dtype=torch.bfloat16, device=packed.device)
     step = max(1, _ROWS_PER_CHUNK_ELEMS // n_in)
@@ -211,10 +219,7 @@ def expand_rows(
     block and spread; with ``allow_bf16`` the whole matrix is returned decoded to bf16 (exact)
     instead, with ``note`` saying why. A NaN scale byte (0xFF) always raises.
     """
-    _check_packed(packed, scales, file, tensor)
-    lead = tuple(packed.shape[:-1])
-    codes2, scales2 = packed.reshape(-1, packed.shape[-1]), scales.reshape(-1, scales.shape[-1])
-    _check_nan_scales(scales2, lead, file, tensor)
+    lead, codes2, scales2 = _rows(packed, scales, file, tensor)
     rows, n_in = codes2.shape[0], codes2.shape[1] * 2
 
     w_fp8 = torch.empty(rows, n_in, dtype=torch.float8_e4m3fn, device=packed.device)

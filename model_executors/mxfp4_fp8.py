@@ -24,7 +24,6 @@ from torch.nn import Parameter
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.linear import LinearMethodBase
-from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.utils.torch_utils import direct_register_custom_op
 
@@ -61,6 +60,10 @@ def _check_complete(layer: torch.nn.Module, seen: set, expected: dict[str, set])
 
 
 class Fp8RowLinearMethod(LinearMethodBase):
+    """FP8 rows with their scales and the bias-correction vector (MLPs, shared experts)."""
+
+    params = ("weight", "weight_scale", "bias_correction")
+
     def create_weights(
         self,
         layer: torch.nn.Module,
@@ -74,48 +77,33 @@ class Fp8RowLinearMethod(LinearMethodBase):
         out = sum(output_partition_sizes)
         self.seen: set[tuple[str, Any]] = set()
         shards = set(range(len(output_partition_sizes))) if len(output_partition_sizes) > 1 else {None}
-        self.expected = {n: shards for n in ("weight", "weight_scale", "bias_correction")}
+        self.expected = {n: shards for n in self.params}
         loader = extra_weight_attrs["weight_loader"]
-
-        def attrs(name: str, **dims: int) -> dict[str, Any]:
-            return {**dims, "weight_loader": _tracking(loader, self.seen, name)}
-
-        shape = (out, input_size_per_partition)
-        layer.register_parameter("weight", _fp8_param(shape, FP8_DTYPE, **attrs("weight", input_dim=1, output_dim=0)))
-        for name in ("weight_scale", "bias_correction"):
-            layer.register_parameter(name, _fp8_param((out,), torch.float32, **attrs(name, output_dim=0)))
+        for name in self.params:
+            weight = name == "weight"
+            layer.register_parameter(
+                name,
+                _fp8_param(
+                    (out, input_size_per_partition) if weight else (out,),
+                    FP8_DTYPE if weight else torch.float32,
+                    **({"input_dim": 1} if weight else {}),
+                    output_dim=0,
+                    weight_loader=_tracking(loader, self.seen, name),
+                ),
+            )
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = fp8_linear(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, layer.bias_correction)
+        b = getattr(layer, "bias_correction", None)
+        y = fp8_linear(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, b)
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
-class Fp8LMHeadMethod(QuantizeMethodBase):
+class Fp8LMHeadMethod(Fp8RowLinearMethod):
     """FP8 LM head: the same FP8 x FP8 math, no bias correction."""
 
-    def create_weights(
-        self,
-        layer: torch.nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs: Any,
-    ) -> None:
-        out = sum(output_partition_sizes)
-        loader = extra_weight_attrs["weight_loader"]
-        layer.register_parameter(
-            "weight",
-            _fp8_param((out, input_size_per_partition), FP8_DTYPE, input_dim=1, output_dim=0, weight_loader=loader),
-        )
-        layer.register_parameter("weight_scale", _fp8_param((out,), torch.float32, output_dim=0, weight_loader=loader))
-
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = fp8_linear(x, layer.weight, layer.weight_scale)
-        return (y if bias is None else y + bias.float()).to(x.dtype)
+    params = ("weight", "weight_scale")
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError("the FP8 LM head is not an input embedding (the models do not tie them)")
