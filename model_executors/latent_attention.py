@@ -240,7 +240,7 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
 
         The history is read in tiles of about DECODE_TILE keys with an online softmax (running max
         m, normaliser l, latent accumulator u), so each tile is used by both products while it is
-        still in cache: 1.5x faster than one pass per product at 32k on CPU.
+        still in cache (at 32k on one CPU thread: 30 vs 45 ms in isolation, 5% of the engine's step).
         """
         H, hd = q.shape
         Hkv, r = self.num_kv_heads, self.kv_lora_rank
