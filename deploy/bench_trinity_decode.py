@@ -7,7 +7,7 @@ Run (from the repository root)::
 
 Why so long (float32, one core per engine): prefill. A 32k prompt costs 32 q heads x 128 x 32768^2 / 2 x 4 flop
 ~ 8.8 TFLOP of causal attention on the one global layer plus ~3 TFLOP on the three sliding layers, whatever the
-hidden size: measured ~390 s for the built-in and ~357 s for MLA-Trinity. By default (as briefed) prefix
+hidden size: measured 395-437 s for the built-in and 357 s for MLA-Trinity. By default (as briefed) prefix
 caching is off and every request is prefilled: ~15 min per rep at 32k for the two models, plus one more such
 pair for the profile. `--reuse-prefill` turns prefix caching on and uses one fixed prompt per context (the same
 for both models), so only the first request per context and model is prefilled; the later ones take the prompt
