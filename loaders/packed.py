@@ -49,6 +49,7 @@ __all__ = [
     "LM_HEAD",
     "PACKED_FORMAT",
     "PackReport",
+    "declares_packed",
     "is_packed_checkpoint",
     "iter_checkpoint",
     "pack",
@@ -135,16 +136,18 @@ def quantization_config(targets: list[str], *, fp8_lm_head: bool) -> dict:
     }
 
 
-def is_packed_checkpoint(path_dir: str | Path) -> bool:
-    """True if config.json declares MXFP4 groups in ``quantization_config``."""
-    cfg = Path(path_dir) / "config.json"
-    if not cfg.is_file():
-        return False
-    qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+def declares_packed(qc: dict) -> bool:
+    """True if a ``quantization_config`` dict declares MXFP4 groups (compressed-tensors schema)."""
     if qc.get("quant_method") != "compressed-tensors":
         return False
     formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()}
     return PACKED_FORMAT in formats
+
+
+def is_packed_checkpoint(path_dir: str | Path) -> bool:
+    """True if config.json declares MXFP4 groups in ``quantization_config``."""
+    cfg = Path(path_dir) / "config.json"
+    return cfg.is_file() and declares_packed(json.loads(cfg.read_text()).get("quantization_config") or {})
 
 
 @dataclass(frozen=True)

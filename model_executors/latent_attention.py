@@ -133,6 +133,7 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps)
         self.kv_cache = torch.tensor([])
         self.key_scales: torch.Tensor | None = None  # [cache rows, Hkv] fp32, beside kv_cache
+        self._kv_weights_key: tuple[int, int] | None = None
 
         ctx = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in ctx:
@@ -164,9 +165,15 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
 
     # --- the cached part, run eagerly inside the custom op ---
     def _kv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        Hkv, hd, r = self.num_kv_heads, self.head_dim, self.kv_lora_rank
-        w = self.kv_b_proj.weight.float()
-        return w[: Hkv * hd].view(Hkv, hd, r), w[Hkv * hd :].view(Hkv, hd, r)
+        """W_k, W_v as fp32 [Hkv, hd, r], converted once per weight version (not on every decode step)."""
+        w = self.kv_b_proj.weight
+        key = (w.data_ptr(), w._version)
+        if self._kv_weights_key != key:
+            Hkv, hd, r = self.num_kv_heads, self.head_dim, self.kv_lora_rank
+            wf = w.detach().float()
+            self._kv_weights_fp32 = (wf[: Hkv * hd].view(Hkv, hd, r), wf[Hkv * hd :].view(Hkv, hd, r))
+            self._kv_weights_key = key
+        return self._kv_weights_fp32
 
     def key_scale(self, c: torch.Tensor, Wk: torch.Tensor) -> torch.Tensor:
         """s_g,i = 1 / rms(W_k,g c_i) for latents c [n, r]: [n, Hkv] fp32."""

@@ -220,10 +220,6 @@ def iter_trinity_weights(config: Any, seed: int = 0) -> Iterator[tuple[str, torc
     yield "lm_head.weight", randn(V, D, std=4 * D**-0.5)
 
 
-def random_trinity_weights(config: Any, seed: int = 0) -> dict[str, torch.Tensor]:
-    return dict(iter_trinity_weights(config, seed))
-
-
 def write_trinity_demo(
     out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16, **overrides: Any
 ) -> Path:
@@ -237,8 +233,8 @@ def write_trinity_demo(
     config.architectures = ["TrinityMLAForCausalLM"]
     config.eos_token_id = 256 + SPECIAL_TOKENS.index("<|im_end|>")
     config.pad_token_id = 256 + SPECIAL_TOKENS.index("<|endoftext|>")
-    tensors = random_trinity_weights(config, seed)
-    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    tensors = {k: v.to(dtype).contiguous() for k, v in iter_trinity_weights(config, seed)}
+    save_file(tensors, str(out / "model.safetensors"))
     cfg = config.to_dict()
     cfg.pop("torch_dtype", None)
     cfg["dtype"] = str(dtype).removeprefix("torch.")

@@ -17,19 +17,12 @@ import torch
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
-from vllm_trn_plugin.loaders.packed import LM_HEAD, PACKED_FORMAT
+from vllm_trn_plugin.loaders.packed import LM_HEAD, PACKED_FORMAT, declares_packed
 
 QUANT_NAME = "trn-mxfp4-fp8"
 ARCHITECTURES = ("TrinityMLAForCausalLM", "LaplaceForCausalLM")
 # vLLM fuses these checkpoint matrices into one layer; a fused layer is FP8 only if all its parts are.
 FUSED_PARTS = {"gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def _declares_packed(cfg: dict[str, Any]) -> bool:
-    if cfg.get("quant_method") != "compressed-tensors":
-        return False
-    formats = {cfg.get("format")} | {g.get("format") for g in (cfg.get("config_groups") or {}).values()}
-    return PACKED_FORMAT in formats
 
 
 class TargetMatcher:
@@ -88,7 +81,7 @@ class TrnMxfp4Fp8Config(QuantizationConfig):
         cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None
     ) -> str | None:
         archs = getattr(hf_config, "architectures", None) or []
-        if user_quant in (None, QUANT_NAME, "compressed-tensors") and _declares_packed(hf_quant_cfg):
+        if user_quant in (None, QUANT_NAME, "compressed-tensors") and declares_packed(hf_quant_cfg):
             if any(a in ARCHITECTURES for a in archs):
                 return QUANT_NAME
         return None
