@@ -243,7 +243,9 @@ def expand_rows(
                 f"only up to {MAX_ROW_SPREAD} octaves"
             )
             if not allow_bf16:
-                raise CheckpointFormatError(f"{file}: tensor {tensor}: {reason}")
+                raise CheckpointFormatError(
+                    f"{file}: tensor {tensor}: {reason} (VLLM_TRN_ALLOW_BF16=1 serves such a matrix in bf16 instead)"
+                )
             return ExpandedMatrix(
                 decode_mxfp4(packed, scales, file=file, tensor=tensor),
                 None,

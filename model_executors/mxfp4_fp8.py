@@ -11,6 +11,12 @@ The layers hold what the loader produces (loaders/mxfp4.py: exact MXFP4 -> FP8 r
 Every one computes kernels/fp8_matmul.fp8_linear (per-token FP8 activations, FP8 x FP8, fp32
 accumulation, both scales on the accumulator's output, then the bias). Everything else (attention,
 norms, embeddings, routers) is unquantized.
+
+A matrix that cannot be exact in FP8 (a row spanning more than 13 octaves) stops the load, unless the
+user opts in with VLLM_TRN_ALLOW_BF16=1: then the loader decodes it exactly to bf16 and the parameter
+holding it (a layer's fused weight, or one expert stack: w13 or w2 of one MoE layer) is held in bf16
+(its FP8 parts dequantized exactly: FP8 x a power-of-two scale fits bf16) and computed unquantized
+(fp32 math, no activation rounding, then the bias). Each such matrix and parameter is logged as a warning.
 """
 
 from __future__ import annotations
@@ -21,16 +27,20 @@ from typing import Any
 
 import torch
 from torch.nn import Parameter
+from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.utils.torch_utils import direct_register_custom_op
 
+from vllm_trn_plugin.envs import ALLOW_BF16, allow_bf16
 from vllm_trn_plugin.kernels.fp8_matmul import FP8_DTYPE, fp8_linear
 from vllm_trn_plugin.loaders.mxfp4 import CheckpointFormatError, ExpandedMatrix
 from vllm_trn_plugin.loaders.packed import iter_checkpoint
 from vllm_trn_plugin.quantization import QUANT_NAME
+
+logger = init_logger(__name__)
 
 
 def _fp8_param(shape: tuple[int, ...], dtype: torch.dtype, **attrs: Any) -> Parameter:
@@ -40,11 +50,47 @@ def _fp8_param(shape: tuple[int, ...], dtype: torch.dtype, **attrs: Any) -> Para
     return p
 
 
-def _tracking(loader: Callable[..., Any], seen: set[tuple[str, Any]], name: str) -> Callable[..., Any]:
+def row_linear(
+    x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """fp8_linear for FP8 weights; for a weight held in bf16 (VLLM_TRN_ALLOW_BF16) the same formula unquantized."""
+    if weight.dtype == FP8_DTYPE:
+        return fp8_linear(x, weight, row_scale, bias)
+    y = (x.float() @ weight.float().t()) * row_scale[None, :]
+    return y if bias is None else y + bias.float()
+
+
+def _to_bf16(weight: torch.Tensor, scale: torch.Tensor, where: str) -> torch.Tensor:
+    """FP8 rows times their power-of-two scales, in bf16; checked exact (a scale below bf16's range would not be)."""
+    w = weight.float() * scale.unsqueeze(-1)
+    out = w.to(torch.bfloat16)
+    if not torch.equal(out.float(), w):
+        raise CheckpointFormatError(f"{where}: FP8 rows do not convert to bf16 exactly (row scale out of range)")
+    return out
+
+
+def _bf16_report(where: str, matrices: list[str], param: torch.Tensor) -> None:
+    logger.warning(
+        "%s: held in bf16 and computed unquantized (%s=1), %.1f MiB, because of %s",
+        where,
+        ALLOW_BF16,
+        param.numel() * 2 / 2**20,
+        ", ".join(matrices),
+    )
+
+
+def _tracking(
+    loader: Callable[..., Any], seen: set[tuple[str, Any]], name: str, bf16_parts: dict[Any, torch.Tensor]
+) -> Callable[..., Any]:
     def load(param: Parameter, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        result = loader(param, loaded_weight, *args, **kwargs)
-        seen.add((name, args[0] if args else kwargs.get("loaded_shard_id")))
-        return result
+        shard = args[0] if args else kwargs.get("loaded_shard_id")
+        if name == "weight" and loaded_weight.dtype == torch.bfloat16 and param.dtype == FP8_DTYPE:
+            # Never through vLLM's loader: its copy into the FP8 parameter would round it. Merged at the end.
+            bf16_parts[shard] = loaded_weight
+            seen.add(("weight_scale", shard))
+        else:
+            loader(param, loaded_weight, *args, **kwargs)
+        seen.add((name, shard))
 
     return load
 
@@ -78,6 +124,11 @@ class Fp8RowLinearMethod(LinearMethodBase):
         self.seen: set[tuple[str, Any]] = set()
         shards = set(range(len(output_partition_sizes))) if len(output_partition_sizes) > 1 else {None}
         self.expected = {n: shards for n in self.params}
+        self.bf16_parts: dict[Any, torch.Tensor] = {}
+        self.shard_rows = {
+            shard: (sum(output_partition_sizes[:i]), n)
+            for i, (shard, n) in enumerate(zip(sorted(shards, key=lambda x: x or 0), output_partition_sizes))
+        }
         loader = extra_weight_attrs["weight_loader"]
         for name in self.params:
             weight = name == "weight"
@@ -88,13 +139,30 @@ class Fp8RowLinearMethod(LinearMethodBase):
                     FP8_DTYPE if weight else torch.float32,
                     **({"input_dim": 1} if weight else {}),
                     output_dim=0,
-                    weight_loader=_tracking(loader, self.seen, name),
+                    weight_loader=_tracking(loader, self.seen, name, self.bf16_parts),
                 ),
             )
 
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if not self.bf16_parts:
+            return
+        where = getattr(layer, "prefix", None) or type(layer).__name__
+        w = _to_bf16(layer.weight.data, layer.weight_scale.data, where)
+        for shard, part in self.bf16_parts.items():
+            start, n = self.shard_rows[shard]
+            if part.shape != (n, w.shape[1]):
+                raise CheckpointFormatError(
+                    f"{where}: bf16 matrix (shard {shard}) has shape {tuple(part.shape)}, expected {(n, w.shape[1])}"
+                )
+            w[start : start + n] = part
+        layer.weight.data = w
+        layer.weight_scale.data.fill_(1.0)
+        _bf16_report(where, [f"shard {s}" for s in self.bf16_parts], w)
+        self.bf16_parts = {}
+
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         b = getattr(layer, "bias_correction", None)
-        y = fp8_linear(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, b)
+        y = row_linear(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, b)
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).view(*x.shape[:-1], -1)
@@ -128,6 +196,7 @@ class Fp8RowMoEMethod(FusedMoEMethodBase):
         E, H, I = num_experts, hidden_size, intermediate_size_per_partition
         self.seen: set[tuple[str, Any]] = set()
         self.expected: dict[str, set] = {}
+        self.bf16_parts: dict[tuple[str, int, str], torch.Tensor] = {}
         for prefix, (rows, cols), shards in (("w13_", (2 * I, H), ("w1", "w3")), ("w2_", (H, I), ("w2",))):
             for name, shape, dtype in (
                 ("weight", (E, rows, cols), FP8_DTYPE),
@@ -156,11 +225,33 @@ class Fp8RowMoEMethod(FusedMoEMethodBase):
                     f"checkpoint tensor {weight_name} (expert {expert_id}, {shard_id}): shape "
                     f"{tuple(loaded_weight.shape)}, {param_name} expects {tuple(dst.shape)}"
                 )
-            dst.copy_(loaded_weight)
+            if loaded_weight.dtype == torch.bfloat16 and dst.dtype == FP8_DTYPE:  # opt-in; merged at the end
+                self.bf16_parts[(param_name, expert_id, shard_id)] = loaded_weight
+                self.seen.add((param_name.replace("weight", "weight_scale"), (expert_id, shard_id)))
+            else:
+                dst.copy_(loaded_weight)
             self.seen.add((param_name, (expert_id, shard_id)))
             return True
 
         return load
+
+    def process_weights_after_loading(self, layer: RoutedExperts) -> None:
+        where = getattr(layer, "layer_name", None) or type(layer).__name__
+        I = layer.w2_weight.shape[-1]
+        for prefix in ("w13_", "w2_"):
+            parts = {k: v for k, v in self.bf16_parts.items() if k[0] == prefix + "weight"}
+            if not parts:
+                continue
+            weight, scale = getattr(layer, prefix + "weight"), getattr(layer, prefix + "weight_scale")
+            w = torch.empty(weight.shape, dtype=torch.bfloat16)
+            for e in range(w.shape[0]):  # one expert at a time: no fp32 copy of the whole stack
+                w[e] = _to_bf16(weight.data[e], scale.data[e], f"{where}.{prefix}weight[{e}]")
+            for (_, e, shard), part in parts.items():
+                w[e].narrow(0, I if shard == "w3" else 0, part.shape[0]).copy_(part)
+            weight.data = w
+            scale.data.fill_(1.0)
+            _bf16_report(f"{where}.{prefix}weight", [f"expert {e} {shard}" for _, e, shard in parts], w)
+        self.bf16_parts = {}
 
     def get_fused_moe_quant_config(self, layer: RoutedExperts) -> None:
         return None
@@ -202,8 +293,8 @@ def fp8_experts(
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
         tok, k = (topk_ids == e).nonzero(as_tuple=True)
-        gate, up = fp8_linear(x[tok], w13[e], s13[e], b13[e]).chunk(2, dim=-1)
-        y = fp8_linear(torch.nn.functional.silu(gate) * up, w2[e], s2[e], b2[e])
+        gate, up = row_linear(x[tok], w13[e], s13[e], b13[e]).chunk(2, dim=-1)
+        y = row_linear(torch.nn.functional.silu(gate) * up, w2[e], s2[e], b2[e])
         out.index_add_(0, tok, y * topk_weights[tok, k, None].float())
     return out.to(x.dtype)
 
@@ -216,22 +307,25 @@ def _fp8_experts_fake(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
 direct_register_custom_op(op_name="trn_fp8_experts", op_func=fp8_experts, fake_impl=_fp8_experts_fake)
 
 
-def packed_weights(model_dir: str | Path, quantized: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+def packed_weights(
+    model_dir: str | Path, quantized: Callable[[str], bool], *, keep_bf16: bool | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The packed checkpoint as the models' load_weights expect it, streamed tensor by tensor.
 
     `<m>.weight` MXFP4 -> `<m>.weight` (FP8) and `<m>.weight_scale` (fp32 per row); `<m>.bias` of a
     quantized `<m>` -> `<m>.bias_correction`; the FP8 LM head -> `lm_head.weight`, `lm_head.weight_scale`.
-    A matrix the loader could only give as bf16 (allow_bf16) is refused here: these layers are FP8.
+    A matrix that cannot be exact in FP8 stops the load unless `keep_bf16` (default: VLLM_TRN_ALLOW_BF16=1);
+    then it comes as `<m>.weight` in bf16 (exact decode) without a scale, and the layer methods hold it in bf16.
     """
     if not Path(model_dir).is_dir():
         raise ValueError(f"{QUANT_NAME}: packed checkpoints are read from a local directory, got {model_dir!r}")
-    for name, t in iter_checkpoint(model_dir):
+    keep = allow_bf16() if keep_bf16 is None else keep_bf16
+    for name, t in iter_checkpoint(model_dir, allow_bf16=keep):
         module, _, leaf = name.rpartition(".")
         if isinstance(t, ExpandedMatrix):
-            if not t.is_fp8:
-                raise CheckpointFormatError(t.note)
             yield name, t.weight
-            yield f"{module}.weight_scale", t.row_scale.reshape(t.weight.shape[:-1])
+            if t.is_fp8:
+                yield f"{module}.weight_scale", t.row_scale.reshape(t.weight.shape[:-1])
         elif leaf == "bias" and quantized(module):
             yield f"{module}.bias_correction", t
         else:

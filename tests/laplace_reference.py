@@ -61,7 +61,8 @@ class LaplaceReference:
     def _linear(self, module: str, x: torch.Tensor) -> torch.Tensor:
         if module in self.fp8:
             return fp8_matmul(self.w, module, x)
-        return self.w[module + ".weight"] @ x
+        bias = self.w.get(module + ".bias")  # a packed matrix served in bf16 keeps its bias correction
+        return self.w[module + ".weight"] @ x + (0 if bias is None else bias)
 
     def step(self, token: int, state: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Consume one token, update `state` in place, return the next-token logits (float64)."""

@@ -63,12 +63,17 @@ def fp8_matmul(weights: dict[str, torch.Tensor], module: str, x: torch.Tensor) -
 def patch_afmoe_fp8(model: torch.nn.Module, weights: dict[str, torch.Tensor], fp8: set[str]) -> torch.nn.Module:
     """transformers' AfmoeForCausalLM with each quantized MLP, shared expert, routed expert group and LM head replaced
     by the FP8 math on the packed checkpoint's matrices (in place; the router, attention and norms stay
-    transformers')."""
+    transformers'). A packed matrix left out of `fp8` is computed unquantized, with its bias correction."""
     F = torch.nn.functional
 
+    def linear(module: str, x: torch.Tensor) -> torch.Tensor:
+        if module in fp8:
+            return fp8_matmul(weights, module, x)
+        return x.double() @ weights[module + ".weight"].T + weights[module + ".bias"]  # served in bf16 (opt-in)
+
     def mlp(prefix: str, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(fp8_matmul(weights, f"{prefix}.gate_proj", x)) * fp8_matmul(weights, f"{prefix}.up_proj", x)
-        return fp8_matmul(weights, f"{prefix}.down_proj", h)
+        h = F.silu(linear(f"{prefix}.gate_proj", x)) * linear(f"{prefix}.up_proj", x)
+        return linear(f"{prefix}.down_proj", h)
 
     def dense(prefix: str):  # noqa: ANN202
         return lambda x: mlp(prefix, x).to(x.dtype)
@@ -87,11 +92,11 @@ def patch_afmoe_fp8(model: torch.nn.Module, weights: dict[str, torch.Tensor], fp
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}.mlp"
         if hasattr(layer.mlp, "experts"):
-            if f"{p}.shared_experts.gate_proj" in fp8:
+            if f"{p}.shared_experts.gate_proj.bias" in weights:
                 layer.mlp.shared_experts.forward = dense(f"{p}.shared_experts")
-            if f"{p}.experts.0.gate_proj" in fp8:
+            if f"{p}.experts.0.gate_proj.bias" in weights:
                 layer.mlp.experts.forward = routed(f"{p}.experts")
-        elif f"{p}.gate_proj" in fp8:
+        elif f"{p}.gate_proj.bias" in weights:
             layer.mlp.forward = dense(p)
     if "lm_head" in fp8:
         model.lm_head.forward = lambda x: fp8_matmul(weights, "lm_head", x).to(x.dtype)

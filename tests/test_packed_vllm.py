@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,9 @@ from tests.afmoe_reference import convert_to_mla, hf_greedy, load_hf_model, make
 from tests.conftest import random_prompts, token_prompts
 from tests.laplace_reference import LaplaceReference
 from tests.packed_reference import load_packed, patch_afmoe_fp8
+from vllm_trn_plugin.loaders.mxfp4 import CheckpointFormatError
 from vllm_trn_plugin.loaders.packed import pack
+from vllm_trn_plugin.model_executors.mxfp4_fp8 import packed_weights
 
 pytestmark = pytest.mark.vllm
 
@@ -180,3 +183,56 @@ def test_trinity_packed_equals_fp8_reference(trinity_dirs: tuple[Path, Path]) ->
         f"vs unquantized: logits cosine min {min(cos):.4f}, greedy tokens equal {agree}/{STEPS * len(prompts)}"
     )
     assert min(cos) > 0.9, cos
+
+
+def _spread_14(tensors: dict[str, torch.Tensor], module: str, row: int) -> None:
+    """Row `row` of `module`: every block at the row's top exponent, block 3 (nonzero) 14 octaves below."""
+    s = tensors[module + ".weight_scale"]
+    s[row] = s[row].max()
+    s[row, 3] -= 14
+    tensors[module + ".weight_packed"][row, 48:64] = 0x11
+
+
+def test_bf16_opt_in_served_unquantized_and_reported(
+    trinity_dirs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
+    """Two matrices whose rows span 14 octaves (a dense MLP's gate_proj, one expert's up_proj): refused without the
+    opt-in; with VLLM_TRN_ALLOW_BF16=1 served, each reported, and the fused parameter holding it (layer 0's
+    gate_up_proj, layer 1's w13 stack) computed unquantized: logits equal to a reference that does the same."""
+    from safetensors.torch import load_file, save_file
+
+    mla, packed = trinity_dirs
+    bad = shutil.copytree(packed, tmp_path / "packed-spread")
+    dense, expert = "model.layers.0.mlp.gate_proj", "model.layers.1.mlp.experts.3.up_proj"
+    f = str(bad / "model.safetensors")
+    t = load_file(f)
+    _spread_14(t, dense, 7)
+    _spread_14(t, expert, 5)
+    save_file(t, f)
+    with pytest.raises(
+        CheckpointFormatError, match=rf"model.safetensors: tensor {dense}.weight_packed: row 7.*14 octaves"
+    ):
+        list(packed_weights(bad, lambda m: True, keep_bf16=False))
+
+    monkeypatch.setenv("VLLM_TRN_ALLOW_BF16", "1")
+    prompts = random_prompts(2, [7, 30], seed=23)
+    llm = _engine(bad, kv_cache_memory_bytes=256 << 20)
+    try:
+        served = _served(llm, prompts)
+    finally:
+        del llm
+    log = capfd.readouterr()
+    log = log.out + log.err
+    for matrix in (dense, expert):
+        assert f"tensor {matrix}.weight_packed: loaded as bfloat16 (exact)" in log, f"{matrix} not reported"
+    assert "model.layers.0.mlp.gate_up_proj: held in bf16" in log
+    assert "model.layers.1.mlp.experts.w13_weight: held in bf16" in log, log[-3000:]
+
+    weights, fp8 = load_packed(bad)
+    unquantized = {dense, dense.replace("gate", "up")} | {
+        f"model.layers.1.mlp.experts.{e}.{p}" for e in range(8) for p in ("gate_proj", "up_proj")
+    }
+    assert unquantized <= fp8
+    ref = patch_afmoe_fp8(load_hf_model(mla), weights, fp8 - unquantized)
+    for prompt, (tokens, logits) in zip(prompts, served):
+        _check(f"bf16 opt-in, prompt of {len(prompt)}", len(prompt), tokens, logits, _hf_logits(ref, prompt, tokens))
