@@ -37,12 +37,12 @@ from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from vllm_trn_plugin.configs.laplace import LaplaceConfig
+from vllm_trn_plugin.kernels import dispatch
 from vllm_trn_plugin.kernels.simple_gla import (
     causal_conv1d_prefill,
     causal_conv1d_step,
     geometric_log_decay,
     simple_gla_chunked_prefill,
-    simple_gla_decode_step,
 )
 from vllm_trn_plugin.model_executors.gla_state import GLAStateBackend, GLAStateMetadata
 from vllm_trn_plugin.model_executors.mxfp4_fp8 import check_all_loaded, packed_weights
@@ -148,7 +148,7 @@ class LaplaceMixer(MambaBase, nn.Module):
         o = torch.empty(T, H, dv, dtype=h.dtype, device=h.device)
         aug, log_decay = self.aug_balance, self.log_decay
         if meta.num_decodes:
-            o[:nd] = simple_gla_decode_step(
+            o[:nd] = dispatch.gla_decode_step(
                 q[:nd], k[:nd], v[:nd], aug, log_decay, self.scale, gla_pool, meta.decode_slots
             )
         if meta.num_prefills:

@@ -1,0 +1,70 @@
+"""One dispatch per kernel op: the models call these, never a kernel or a device check directly.
+
+Who computes (VLLM_TRN_KERNELS, read at every call so a running engine can be switched in tests):
+
+- ``auto`` (default): the NKI kernel on a Neuron device with the genuine ``nki`` package, else torch;
+- ``torch``: the exact torch path (CPU, and any device without NKI);
+- ``emulate``: the NKI kernel run by the project's NumPy NKI emulator (kernels/nki_emu) inside the real
+  forward pass: slow, and the same kernel source the device runs;
+- ``nki``: the NKI kernel, required (an error off a Neuron device).
+
+On device a kernel is called the way the Neuron PyTorch stack calls NKI: ``wrap_nki(kernel)[lnc](...)``
+(libtorch_neuronx_lite's torch.compile-traceable higher-order op, which carries the in-place aliasing
+of the cache and state writes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vllm_trn_plugin import envs
+
+Runner = Callable[[Any], Callable[..., Any]]
+
+
+def _device_runner(kernel: Any) -> Callable[..., Any]:
+    from libtorch_neuronx_lite.nki.nki_hop import wrap_nki  # type: ignore[import-not-found]
+
+    return wrap_nki(kernel)[1]
+
+
+def kernel_runner(device: torch.device) -> Runner | None:
+    """How to run an NKI kernel for tensors on `device`, or None for the torch path."""
+    mode = envs.kernels()
+    if mode == "torch":
+        return None
+    from vllm_trn_plugin.kernels.nki_shim import USING_EMULATOR, simulate
+
+    if mode == "emulate":
+        return simulate
+    on_neuron = device.type == "neuron" and not USING_EMULATOR
+    if mode == "nki" and not on_neuron:
+        raise RuntimeError(
+            f"{envs.KERNELS}=nki needs a Neuron device and the nki package (tensors on {device}, "
+            f"nki {'missing' if USING_EMULATOR else 'present'}); use emulate or torch"
+        )
+    return _device_runner if on_neuron else None
+
+
+def gla_decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    aug: torch.Tensor,
+    log_decay: torch.Tensor,
+    scale: float,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Laplace's recurrent decode step (kernels/simple_gla.py); the state pool is updated in place."""
+    runner = kernel_runner(q.device)
+    if runner is None:
+        from vllm_trn_plugin.kernels.simple_gla import simple_gla_decode_step
+
+        return simple_gla_decode_step(q, k, v, aug, log_decay, scale, state_pool, slots)
+    from vllm_trn_plugin.kernels.gla_decode_nki import gla_decode_nki
+
+    return gla_decode_nki(q, k, v, aug, log_decay, scale, state_pool, slots, runner)

@@ -1,0 +1,83 @@
+"""The NKI kernels inside the real vLLM forward pass (VLLM_TRN_KERNELS=emulate) against the torch path.
+
+One in-process engine per model (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the dispatch switch, read at
+every call, flips between the torch path and the emulated kernel in the same engine: same weights,
+same scheduling, same cache. Every decode step of every layer then runs the kernel's NKI source in the
+project's NumPy NKI emulator; prefill stays torch (no prefill kernels). The kernel calls are counted so a
+silent fallback to torch cannot pass.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import greedy_params, random_prompts, token_prompts
+
+pytestmark = pytest.mark.vllm
+
+STEPS = 8
+
+
+def _generate(llm: Any, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    outs = llm.generate(token_prompts(prompts), greedy_params(STEPS, logprobs=1), use_tqdm=False)
+    return [
+        (list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+        for o in outs
+    ]
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[int]:
+    calls = [0]
+    original = getattr(module, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _compare(llm: Any, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch, tol: float) -> float:
+    monkeypatch.setenv("VLLM_TRN_KERNELS", "torch")
+    ref = _generate(llm, prompts)
+    monkeypatch.setenv("VLLM_TRN_KERNELS", "emulate")
+    got = _generate(llm, prompts)
+    worst = 0.0
+    for p, (t_ref, lp_ref), (t_got, lp_got) in zip(prompts, ref, got):
+        assert t_got == t_ref, f"prompt of {len(p)}: emulated kernels chose {t_got}, torch path {t_ref}"
+        worst = max(worst, max(abs(a - b) for a, b in zip(lp_ref, lp_got)))
+    assert worst < tol, f"greedy-token logprobs differ by {worst:.2e}"
+    return worst
+
+
+@pytest.fixture
+def in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def test_laplace_gla_kernel_in_vllm(laplace_ckpt: Path, in_process: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm import LLM
+
+    from vllm_trn_plugin.kernels import gla_decode_nki
+
+    llm = LLM(
+        model=str(laplace_ckpt),
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=8,
+        seed=0,
+        kv_cache_memory_bytes=64 << 20,
+    )
+    try:
+        calls = _count_calls(monkeypatch, gla_decode_nki, "gla_decode_nki")
+        prompts = random_prompts(5, [1, 9, 40, 3, 130], seed=31)
+        worst = _compare(llm, prompts, monkeypatch, tol=1e-4)
+    finally:
+        del llm
+    layers = 4
+    assert calls[0] >= layers * (STEPS - 1), f"the GLA kernel ran {calls[0]} times"
+    print(f"\nLaplace: {calls[0]} emulated GLA kernel calls, greedy tokens equal, logprobs within {worst:.1e}")
