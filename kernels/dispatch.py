@@ -68,3 +68,49 @@ def gla_decode_step(
     from vllm_trn_plugin.kernels.gla_decode_nki import gla_decode_nki
 
     return gla_decode_nki(q, k, v, aug, log_decay, scale, state_pool, slots, runner)
+
+
+def fp8_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    b13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    b2: torch.Tensor,
+) -> torch.Tensor:
+    """MLA-Trinity's routed FP8 experts (kernels/fp8_matmul.fp8_experts). A stack held in bf16 (the
+    VLLM_TRN_ALLOW_BF16 opt-in) always takes the torch path: the kernel is FP8 x FP8 only."""
+    from vllm_trn_plugin.kernels.fp8_matmul import FP8_DTYPE
+    from vllm_trn_plugin.kernels.fp8_matmul import fp8_experts as torch_path
+
+    runner = kernel_runner(x.device)
+    if runner is None or w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
+        return torch_path(x, topk_weights, topk_ids, w13, s13, b13, w2, s2, b2)
+    from vllm_trn_plugin.kernels.fp8_expert_nki import fp8_experts_nki
+
+    return fp8_experts_nki(x, topk_weights, topk_ids, w13, s13, b13, w2, s2, b2, runner)
+
+
+def latent_decode(
+    q: torch.Tensor,
+    gamma: torch.Tensor,
+    w_k: torch.Tensor,
+    w_v: torch.Tensor,
+    cache: torch.Tensor,
+    key_scales: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    block_size: int,
+) -> torch.Tensor:
+    """MLA-Trinity's absorbed latent decode (kernels/latent_decode_nki.py): one query per sequence, [B, H, hd] fp32."""
+    from vllm_trn_plugin.kernels import latent_decode_nki as op
+
+    args = (q, gamma, w_k, w_v, cache, key_scales, block_table, seq_lens, scale, block_size)
+    runner = kernel_runner(q.device)
+    if runner is None:
+        return op.latent_decode_torch(*args)
+    return op.latent_decode_nki(*args, runner)

@@ -3,9 +3,15 @@
 Weights arrive as Trainium2 FP8 (E4M3, |w| <= 240) with one float32 scale per output row (from the
 exact MXFP4 expansion, or the FP8 LM head). Activations are quantized per token, inside the op:
 
-    amax_t = max_k |x[t, k]|                       (x in float32)
-    s_tok  = amax_t / 240,   xq[t] = RNE_e4m3(x[t] * (240 / amax_t))     (a zero row: s_tok = 1, xq = 0)
+    a_t    = max(max_k |x[t, k]|, 2^-100)                 (x in float32)
+    s_tok  = a_t * fp32(1 / 240),   xq[t] = RNE_e4m3(clamp(x[t] * (240 * fp32(1 / a_t)), -240, 240))
     y[t, n] = (sum_k xq[t, k] * wq[n, k]) * s_tok[t] * s_row[n] + b[n]
+
+each step rounded to float32. This is the FP8 expert kernel's formula (kernels/fp8_expert_nki.py):
+Trainium's ALUs have a reciprocal but no divide, so 240 / a and a / 240 become products with
+reciprocals (within an ulp of the quotients), and the torch path computes the same, so CPU and device
+quantize bit for bit. The floor keeps 240 / a finite (a zero row: codes 0, product 0); the clamp
+keeps a value one ulp past 240 from reaching an FP8 write, whose overflow behaviour is undocumented.
 
 The products of two E4M3 values carry at most 8 significant bits, so each is exact in float32;
 only the fp32 accumulation rounds (and its order is the device's, not part of the contract). The
@@ -23,17 +29,17 @@ import torch
 
 FP8_MAX = 240.0  # Trainium2 E4M3 (IEEE-style, bias 7): largest finite value
 FP8_DTYPE = torch.float8_e4m3fn  # carries Trainium2's values bit for bit for |x| <= 240
+AMAX_FLOOR = 2.0**-100  # 240 / AMAX_FLOOR is finite and AMAX_FLOOR / 240 a normal float32
+INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))  # fp32(1 / 240), as the ALU holds it
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (xq float8_e4m3fn [T, K] with |xq| <= 240, s_tok float32 [T])."""
+    """x [T, K] -> (xq float8_e4m3fn [T, K] with |xq| <= 240, s_tok float32 [T]), as in the module docstring."""
     xf = x.float()
-    amax = xf.abs().amax(-1)
-    nonzero = amax > 0
-    inv = torch.where(nonzero, FP8_MAX / torch.where(nonzero, amax, 1.0), 1.0)
-    # x * (240 / amax) can round up past 240 by one ulp of float32; E4M3 rounds that back to 240.
-    xq = (xf * inv[:, None]).to(FP8_DTYPE)
-    return xq, torch.where(nonzero, amax / FP8_MAX, 1.0)
+    a = xf.abs().amax(-1).clamp_min(AMAX_FLOOR)
+    inv = (1.0 / a) * FP8_MAX
+    xq = (xf * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return xq, a * INV_FP8_MAX
 
 
 def fp8_linear(
@@ -47,3 +53,38 @@ def fp8_linear(
     acc = xq.float() @ weight.float().t()
     y = acc * s_tok[:, None] * row_scale[None, :]
     return y if bias is None else y + bias.float()
+
+
+def row_linear(
+    x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """fp8_linear for FP8 weights; for a weight held in bf16 (VLLM_TRN_ALLOW_BF16) the same formula unquantized."""
+    if weight.dtype == FP8_DTYPE:
+        return fp8_linear(x, weight, row_scale, bias)
+    y = (x.float() @ weight.float().t()) * row_scale[None, :]
+    return y if bias is None else y + bias.float()
+
+
+def fp8_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    b13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    b2: torch.Tensor,
+) -> torch.Tensor:
+    """Routed experts, torch path: sum_k topk_weights[t, k] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k].
+
+    w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], FP8 (or bf16, opt-in) with fp32 row scales and biases;
+    every product FP8 for FP8 weights. Experts are visited in ascending order (the NKI kernel's order).
+    """
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in topk_ids.unique().tolist():
+        tok, k = (topk_ids == e).nonzero(as_tuple=True)
+        gate, up = row_linear(x[tok], w13[e], s13[e], b13[e]).chunk(2, dim=-1)
+        y = row_linear(torch.nn.functional.silu(gate) * up, w2[e], s2[e], b2[e])
+        out.index_add_(0, tok, y * topk_weights[tok, k, None].float())
+    return out.to(x.dtype)

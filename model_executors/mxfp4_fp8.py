@@ -35,7 +35,8 @@ from vllm.model_executor.utils import set_weight_attrs
 from vllm.utils.torch_utils import direct_register_custom_op
 
 from vllm_trn_plugin.envs import ALLOW_BF16, allow_bf16
-from vllm_trn_plugin.kernels.fp8_matmul import FP8_DTYPE, fp8_linear
+from vllm_trn_plugin.kernels import dispatch
+from vllm_trn_plugin.kernels.fp8_matmul import FP8_DTYPE, row_linear
 from vllm_trn_plugin.loaders.mxfp4 import CheckpointFormatError, ExpandedMatrix
 from vllm_trn_plugin.loaders.packed import iter_checkpoint
 from vllm_trn_plugin.quantization import QUANT_NAME
@@ -48,16 +49,6 @@ def _fp8_param(shape: tuple[int, ...], dtype: torch.dtype, **attrs: Any) -> Para
     p = Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
     set_weight_attrs(p, attrs)
     return p
-
-
-def row_linear(
-    x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """fp8_linear for FP8 weights; for a weight held in bf16 (VLLM_TRN_ALLOW_BF16) the same formula unquantized."""
-    if weight.dtype == FP8_DTYPE:
-        return fp8_linear(x, weight, row_scale, bias)
-    y = (x.float() @ weight.float().t()) * row_scale[None, :]
-    return y if bias is None else y + bias.float()
 
 
 def _to_bf16(weight: torch.Tensor, scale: torch.Tensor, where: str) -> torch.Tensor:
@@ -278,33 +269,12 @@ class Fp8RowMoEMethod(FusedMoEMethodBase):
         )
 
 
-def fp8_experts(
-    x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13: torch.Tensor,
-    s13: torch.Tensor,
-    b13: torch.Tensor,
-    w2: torch.Tensor,
-    s2: torch.Tensor,
-    b2: torch.Tensor,
-) -> torch.Tensor:
-    """sum_k topk_weights[t, k] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k], every product FP8."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in topk_ids.unique().tolist():
-        tok, k = (topk_ids == e).nonzero(as_tuple=True)
-        gate, up = row_linear(x[tok], w13[e], s13[e], b13[e]).chunk(2, dim=-1)
-        y = row_linear(torch.nn.functional.silu(gate) * up, w2[e], s2[e], b2[e])
-        out.index_add_(0, tok, y * topk_weights[tok, k, None].float())
-    return out.to(x.dtype)
-
-
 def _fp8_experts_fake(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
 # Opaque to torch.compile: which experts run depends on the data.
-direct_register_custom_op(op_name="trn_fp8_experts", op_func=fp8_experts, fake_impl=_fp8_experts_fake)
+direct_register_custom_op(op_name="trn_fp8_experts", op_func=dispatch.fp8_experts, fake_impl=_fp8_experts_fake)
 
 
 def packed_weights(

@@ -1,4 +1,4 @@
-"""The FP8 numerics every quantized matrix uses (kernels/fp8_matmul.py, model_executors/mxfp4_fp8.fp8_experts),
+"""The FP8 numerics every quantized matrix uses (kernels/fp8_matmul.py: fp8_linear, fp8_experts),
 against float64 and ml_dtypes' Trainium2 FP8 (`float8_e4m3`), op by op, where no rounding flip can hide an error."""
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ def test_quantize_per_token_is_rne_e4m3_with_amax_scale(scale: float) -> None:
     q_ref, s_ref = ref_quantize(x)
     q = xq.double().numpy()
     assert np.all(np.abs(q) <= 240) and not np.isnan(q).any()
-    assert np.allclose(s_tok.double().numpy(), s_ref, rtol=1e-7, atol=0)
-    assert (q[3] == 0).all() and float(s_tok[3]) == 1.0
-    # The op multiplies by 240 / amax in float32, the reference divides in float64: they may only disagree on an
-    # input that sits within float32 rounding of an FP8 midpoint, and then by one FP8 step.
+    nz = np.arange(64) != 3
+    # s_tok = amax * fp32(1 / 240): within one float32 ulp of amax / 240
+    assert np.allclose(s_tok.double().numpy()[nz], s_ref[nz], rtol=2**-23, atol=0)
+    assert (q[3] == 0).all() and float(s_tok[3]) > 0  # a zero row: codes 0 whatever its (floored) scale
+    # The op multiplies by 240 * fp32(1 / amax) in float32, the reference divides in float64: they may only disagree
+    # on an input that sits within float32 rounding of an FP8 midpoint, and then by one FP8 step.
     diff = q != q_ref
     assert diff.mean() < 1e-4, diff.mean()
     if diff.any():
@@ -62,7 +64,7 @@ def test_fp8_experts_route_weight_and_sum() -> None:
     """Each token's output is sum_k w_k * down_e(SiLU(gate_e x) * up_e x) over its own experts: checked against the
     per-token composition of fp8_linear (whose numerics are checked above); a wrong expert, weight or order
     would be off by O(1)."""
-    from vllm_trn_plugin.model_executors.mxfp4_fp8 import fp8_experts
+    from vllm_trn_plugin.kernels.fp8_matmul import fp8_experts
 
     g = torch.Generator().manual_seed(2)
     E, H, I, T, K = 6, 128, 64, 9, 2

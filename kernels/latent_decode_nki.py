@@ -1,0 +1,509 @@
+"""Absorbed latent decode attention (MLA-Trinity's global layers) as an NKI 0.6 kernel for trn2.
+
+Math, per sequence b (one query token), query head h of KV group g = h // G (G = H / Hkv)::
+
+    q~_h    = W_k,g^T (gamma * q_h)                              r-wide   (W_k [Hkv, hd, r])
+    score_i = scale * (q~_h . c_i) * s_g,i    for keys i < L_b   (s = key_scales[row_i, g])
+    u_h     = sum_i softmax_i(score) c_i                         latent space
+    out_h   = W_v,g u_h                                          (W_v [Hkv, hd, r])
+
+row_i = block_table[b, i // bs] * bs + i % bs. K and V are never formed: every cached latent is
+read once and used by both products; s_g,i = 1 / rms(W_k,g c_i) is the exact per-key norm scale
+the model computes once at cache-write time (model_executors/latent_attention.py).
+
+Indices. The torch-facing entry `latent_decode_nki` expands the block table into a per-key row
+table `rows [B, bucket]` int32 (row_i for i < L_b, the out-of-range row `cache.shape[0]` after).
+Computing rows in the kernel would take a second, dependent indirect DMA per tile (the block ids
+of the tile's keys when bs < 128), and vLLM's block table can be narrower than the bucket; the
+table costs 4 B per key of HBM reads beside the 512 + 16 B of latent and key scales (0.8%) and
+one small elementwise torch op. The kernel does not trust the table's tail: once per sequence it
+replaces every entry with i >= L_b by the out-of-range row (iota, compare, predicated copy), so
+keys past L_b are never read, whatever the block table or the row table hold there.
+
+Tiling (P = 128 partitions; H = 32, Hkv = 4, hd = 128, r = 256 at full size; RC = r / 128):
+- Once per call: gamma, seq_lens (broadcast to 128 partitions), W_k as [hd, Hkv, r] fp32 (hd on
+  partitions: the stationary of q~'s contraction over hd), W_v PE-transposed into
+  [r % 128, RC, Hkv, hd] fp32 (r on partitions: the output's contraction over r). NBUF latent
+  gather buffers [128 keys, r] and key-scale buffers [128 keys, Hkv] are zeroed once.
+- Per sequence (a compile-time loop over B): q_b [H, hd] PE-transposed and scaled by
+  gamma * scale, then q~^T [r, H] fp32 = RC x Hkv matmuls (stationary W_k,g chunk [hd, 128],
+  moving [hd, G]); running state U [H, r], l [H, 1] and -m [H, 1] in SBUF, fp32.
+- Per 128-key tile (a compile-time loop of bucket / 128 tiles; the tail is masked): 2 DMAs,
+  RC + 2 PE transposes, RC + 1 matmuls, 9 ScalarE/VectorE instructions:
+  1. one indirect DMA gathers the tile's latents C [128 keys, r] through the row table, one more
+     their key scales S [128 keys, Hkv] with the same indices (oob_mode.skip for rows past L_b);
+  2. C^T [r, 128 keys] by RC PE transposes into one PSUM bank, copied to SBUF as fp32;
+  3. scores [128 keys, H] = RC accumulating fp32 matmuls (stationary C^T chunk, moving q~^T
+     chunk), times S broadcast over the G heads of each group (keys are the partitions here, so
+     the per-key, per-group scale is one stride-0 operand), PE-transposed to [H, 128 keys];
+  4. range_select keeps keys 128 t + j < L_b and puts FP32_MIN elsewhere (selection, never a
+     product), giving the tile's row max in the same instruction;
+  5. online softmax: -m_new = min(-m, -rowmax); alpha = exp(m - m_new); p = exp(score - m_new)
+     with its row sum from the same ScalarE instruction; l = alpha l + rowsum. The running max
+     starts at FP32_MIN and tile maxima are >= FP32_MIN, so the state is never infinite and
+     -inf - -inf cannot occur;
+  6. p^T [128 keys, H] by one PE transpose; U = alpha U + p^T^T C: one matmul whose moving
+     operand is C [128 keys, r] as gathered, so the sum stays in latent space.
+- After the last tile: u = U / l, u^T by RC PE transposes, out_b = Hkv x RC matmuls into one
+  PSUM bank [G, Hkv * hd] (stationary u^T of group g, moving W_v,g^T chunk), one DMA to out[b].
+PSUM: 7 sites of one 2 KiB bank each (a scratch bank for setup and per-sequence work, the output
+bank, and per tile C^T, scores, scores^T, p^T, p^T C). SBUF per partition at full size: 20.4 KiB
+at bucket 2304, 21.8 KiB at 16640.
+Masked keys never put a NaN into a product: a skipped gather leaves the zeroed or an earlier
+tile's (finite) rows in its buffer, selection replaces their scores, and their p = 0 meets only
+finite latents in p^T C.
+
+DMA traffic per call (HBM side; `latent_decode_cost` gives the formulas): the latents and key
+scales of the L_b valid keys of every sequence exactly once (skipped rows move nothing), the row
+table (4 B x bucket per sequence), q, out, both weights and gamma once, seq_lens x 128. The
+analytic minimum is the same without the row table and the seq_lens broadcast: at full size,
+B = 32 and 2k-16k context the kernel moves at most 0.9% more.
+
+Numerics contract. The only rounding below fp32 is p, cast to the cache dtype for the p^T C
+matmul (its operands must pair with the latents); q~, C^T (copied out as fp32) and the score
+matmul are fp32, the query and output projections are fp32 whatever the weights' dtype, every
+matmul accumulates in fp32 PSUM, and the softmax state is fp32. So with an fp32 cache the kernel
+equals the fp32 torch reference to fp32 rounding (summation order, online vs full softmax, scale
+folded into q); with a bf16 cache out_h moves by at most 2^-8 sum_i p_i |v_i| (measured: half
+of that). Rounding q~ to bf16 as well would cost 3-6x that error (measured 2-6e-3 vs 4-8e-4 of
+max |out|: q~ . c cancels heavily), hence the fp32 score path.
+Bit-exact: every sequence of a batch runs the same instruction sequence on the same shapes
+(nothing is batched across sequences), so each output row equals the sequence's single-sequence
+run; NaN or garbage in cache rows, key scales or table entries past L_b changes no bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vllm_trn_plugin.kernels.nki_shim import nisa, nki, nl
+
+P = 128  # partitions; keys per tile
+NBUF = 2  # gather buffers: the next tile's DMA need not wait for the previous tile's last read
+BUCKETS = (2304, 4352, 8448, 16640)  # context buckets (keys); each a whole number of 128-key tiles
+FLT_MAX = 3.4028234663852886e38
+
+
+@nki.jit
+def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, scale):
+    """Absorbed latent decode attention for B sequences of one query token each.
+
+    q [B, H, hd] (after q_norm), gamma [hd] (k_norm weight), w_k / w_v [Hkv, hd, r],
+    cache [N, r] latents, key_scales [N, Hkv] fp32, rows [B, bucket] int32 (row of key i),
+    seq_lens [B] int32 (1 <= L_b <= bucket), scale: float. Returns out [B, H, hd] fp32.
+    B, the bucket (rows.shape[1], a multiple of 128) and all sizes are compile-time; limits:
+    hd <= 128, H <= 128, r a multiple of 128 and <= 512, Hkv * hd <= 512 (one PSUM bank each for
+    p^T C and the output). Tiling and numerics: the module docstring.
+    """
+    B, H, hd = q.shape
+    Hkv, _, r = w_k.shape
+    G = H // Hkv
+    n_rows = cache.shape[0]
+    bucket = rows.shape[1]
+    NT = bucket // P
+    RC = r // P
+    cdt = cache.dtype
+    f32 = nl.float32
+    out = nl.ndarray((B, H, hd), dtype=f32, buffer=nl.shared_hbm)
+
+    # ---- once per call ----
+    gam = nl.ndarray((hd, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=gam, src=gamma.ap([[1, hd], [1, 1]]))
+    lens = nl.ndarray((P, B), dtype=f32, buffer=nl.sbuf)  # L_b on every partition
+    nisa.dma_copy(dst=lens, src=seq_lens.ap([[0, P], [1, B]]))
+    wk = nl.ndarray((hd, Hkv, r), dtype=f32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=wk, src=w_k.ap([[r, hd], [hd * r, Hkv], [1, r]]))
+    wv = nl.ndarray((hd, Hkv, r), dtype=f32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=wv, src=w_v.ap([[r, hd], [hd * r, Hkv], [1, r]]))
+    # One PSUM bank of scratch for everything outside the tile loop, reused in program order.
+    scratch = nl.ndarray((P, 512), dtype=f32, buffer=nl.psum)
+    wvT = nl.ndarray((P, RC, Hkv, hd), dtype=f32, buffer=nl.sbuf)
+    for g in range(Hkv):
+        for c in range(RC):
+            nisa.nc_transpose(dst=scratch[:, 0:hd], data=wv[:, g, c * P : (c + 1) * P])
+            nisa.tensor_copy(dst=wvT[:, c, g, :], src=scratch[:, 0:hd])
+    key_idx = nl.ndarray((P, NT), dtype=nl.int32, buffer=nl.sbuf)  # key index 128 t + p
+    nisa.iota(dst=key_idx, pattern=[[P, NT]], offset=0, channel_multiplier=1)
+    zero_col = nl.ndarray((H, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.memset(dst=zero_col, value=0.0)
+    c_buf = nl.ndarray((P, NBUF, r), dtype=cdt, buffer=nl.sbuf)
+    nisa.memset(dst=c_buf, value=0.0)
+    s_buf = nl.ndarray((P, NBUF, Hkv), dtype=f32, buffer=nl.sbuf)
+    nisa.memset(dst=s_buf, value=0.0)
+
+    for b in range(B):
+        # ---- row indices: rows past L_b become the out-of-range row (never read) ----
+        rows_sb = nl.ndarray((P, NT), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows_sb, src=rows.ap([[1, P], [P, NT]], offset=b * bucket))
+        valid = nl.ndarray((P, NT), dtype=nl.uint8, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=valid, data=key_idx, op0=nl.less, operand0=lens[:, b : b + 1])
+        idx = nl.ndarray((P, NT), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.memset(dst=idx, value=n_rows)
+        nisa.tensor_copy_predicated(dst=idx, src=rows_sb, predicate=valid)
+
+        # ---- q~^T [r, H] = W_k,g^T (gamma * scale * q_h) ----
+        q_sb = nl.ndarray((H, hd), dtype=f32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=q_sb, src=q[b])
+        nisa.nc_transpose(dst=scratch[0:hd, 0:H], data=q_sb)
+        qg = nl.ndarray((hd, H), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_scalar(
+            dst=qg, data=scratch[0:hd, 0:H], op0=nl.multiply, operand0=gam, op1=nl.multiply, operand1=float(scale)
+        )
+        qt_ps = scratch[:, H : H + RC * H]
+        for c in range(RC):
+            for g in range(Hkv):
+                nisa.nc_matmul(
+                    dst=qt_ps[:, c * H + g * G : c * H + (g + 1) * G],
+                    stationary=wk[:, g, c * P : (c + 1) * P],
+                    moving=qg[:, g * G : (g + 1) * G],
+                    accumulate=False,
+                )
+        qt = nl.ndarray((P, RC, H), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=qt, src=qt_ps)
+
+        U = nl.ndarray((H, r), dtype=f32, buffer=nl.sbuf)
+        nisa.memset(dst=U, value=0.0)
+        l_sum = nl.ndarray((H, 1), dtype=f32, buffer=nl.sbuf)
+        nisa.memset(dst=l_sum, value=0.0)
+        # -running max, ping-pong by tile parity; it starts at FP32_MIN, not -inf, so no softmax
+        # state is ever infinite (m_old - m_new = -inf - -inf cannot occur)
+        neg_m = nl.ndarray((H, 2), dtype=f32, buffer=nl.sbuf)
+        nisa.memset(dst=neg_m[:, 0:1], value=FLT_MAX)
+
+        for t in range(NT):
+            k = t % NBUF
+            c_t = c_buf[:, k, :]
+            s_t = s_buf[:, k, :]
+            nisa.dma_copy(
+                dst=c_t,
+                src=cache.ap([[r, P], [1, r]], offset=0, vector_offset=idx[:, t : t + 1], indirect_dim=0),
+                oob_mode=nisa.oob_mode.skip,
+            )
+            nisa.dma_copy(
+                dst=s_t,
+                src=key_scales.ap([[Hkv, P], [1, Hkv]], offset=0, vector_offset=idx[:, t : t + 1], indirect_dim=0),
+                oob_mode=nisa.oob_mode.skip,
+            )
+            cT_ps = nl.ndarray((P, RC, P), dtype=cdt, buffer=nl.psum)
+            for c in range(RC):
+                nisa.nc_transpose(dst=cT_ps[:, c, :], data=c_t[:, c * P : (c + 1) * P])
+            cT = nl.ndarray((P, RC, P), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=cT, src=cT_ps)
+
+            sc_ps = nl.ndarray((P, H), dtype=f32, buffer=nl.psum)  # keys on partitions
+            for c in range(RC):
+                nisa.nc_matmul(dst=sc_ps, stationary=cT[:, c, :], moving=qt[:, c, :], accumulate=c > 0)
+            sc = nl.ndarray((P, Hkv, G), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_tensor(
+                dst=sc,
+                data1=sc_ps.reshape((P, Hkv, G)),
+                data2=s_t.expand_dim(2).broadcast(2, G),
+                op=nl.multiply,
+            )
+            scT_ps = nl.ndarray((H, P), dtype=f32, buffer=nl.psum)  # heads on partitions
+            nisa.nc_transpose(dst=scT_ps, data=sc.reshape((P, H)))
+
+            # keys j + 128 t >= L_b -> FP32_MIN by selection; the tile's row max comes out of the
+            # same instruction (finite: every row keeps FP32_MIN at worst)
+            s_m = nl.ndarray((H, P), dtype=f32, buffer=nl.sbuf)
+            t_max = nl.ndarray((H, 1), dtype=f32, buffer=nl.sbuf)
+            nisa.range_select(
+                dst=s_m,
+                on_true_tile=scT_ps,
+                comp_op0=nl.less,
+                comp_op1=nl.greater_equal,
+                bound0=lens[0:H, b : b + 1],
+                bound1=zero_col,
+                reduce_cmd=nisa.reduce_cmd.reset_reduce,
+                reduce_res=t_max,
+                reduce_op=nl.maximum,
+                range_start=t * P,
+            )
+            nm_old = neg_m[:, t % 2 : t % 2 + 1]
+            nm_new = neg_m[:, (t + 1) % 2 : (t + 1) % 2 + 1]
+            nisa.tensor_scalar(dst=nm_new, data=t_max, op0=nl.multiply, operand0=-1.0, op1=nl.minimum, operand1=nm_old)
+            alpha = nl.ndarray((H, 1), dtype=f32, buffer=nl.sbuf)  # exp(m_old - m_new)
+            nisa.activation(dst=alpha, op=nl.exp, data=nm_old, bias=nm_new, scale=-1.0)
+            p = nl.ndarray((H, P), dtype=cdt, buffer=nl.sbuf)
+            row_sum = nl.ndarray((H, 1), dtype=f32, buffer=nl.sbuf)
+            nisa.activation(
+                dst=p,
+                op=nl.exp,
+                data=s_m,
+                bias=nm_new,
+                scale=1.0,
+                reduce_op=nl.add,
+                reduce_res=row_sum,
+                reduce_cmd=nisa.reduce_cmd.reset_reduce,
+            )
+            nisa.scalar_tensor_tensor(
+                dst=l_sum, data=l_sum, op0=nl.multiply, operand0=alpha, op1=nl.add, operand1=row_sum
+            )
+
+            pT_ps = nl.ndarray((P, H), dtype=cdt, buffer=nl.psum)
+            nisa.nc_transpose(dst=pT_ps, data=p)
+            pT = nl.ndarray((P, H), dtype=cdt, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=pT, src=pT_ps)
+            u_ps = nl.ndarray((H, r), dtype=f32, buffer=nl.psum)
+            nisa.nc_matmul(dst=u_ps, stationary=pT, moving=c_t, accumulate=False)
+            nisa.scalar_tensor_tensor(dst=U, data=U, op0=nl.multiply, operand0=alpha, op1=nl.add, operand1=u_ps)
+
+        # ---- out_b = W_v,g (U / l) ----
+        inv_l = nl.ndarray((H, 1), dtype=f32, buffer=nl.sbuf)
+        nisa.reciprocal(dst=inv_l, data=l_sum)
+        u_n = nl.ndarray((H, r), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=u_n, data=U, op0=nl.multiply, operand0=inv_l)
+        uT_ps = scratch[:, 0 : RC * H]
+        for c in range(RC):
+            nisa.nc_transpose(dst=uT_ps[:, c * H : (c + 1) * H], data=u_n[:, c * P : (c + 1) * P])
+        uT = nl.ndarray((P, RC, H), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=uT, src=uT_ps)
+        o_ps = nl.ndarray((G, Hkv * hd), dtype=f32, buffer=nl.psum)
+        for g in range(Hkv):
+            for c in range(RC):
+                nisa.nc_matmul(
+                    dst=o_ps[:, g * hd : (g + 1) * hd],
+                    stationary=uT[:, c, g * G : (g + 1) * G],
+                    moving=wvT[:, c, g, :],
+                    accumulate=c > 0,
+                )
+        o_sb = nl.ndarray((G, Hkv * hd), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=o_sb, src=o_ps)
+        # head h = g * G + j sits at [j, g * hd + d]
+        nisa.dma_copy(dst=out.ap([[hd, G], [G * hd, Hkv], [1, hd]], offset=b * H * hd), src=o_sb)
+    return out
+
+
+def latent_decode_reference(
+    q: torch.Tensor,
+    gamma: torch.Tensor,
+    w_k: torch.Tensor,
+    w_v: torch.Tensor,
+    cache: torch.Tensor,
+    key_scales: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    block_size: int,
+) -> torch.Tensor:
+    """The op's definition in plain fp32 torch: gather each sequence's rows, full softmax.
+
+    q [B, H, hd] (after q_norm), gamma [hd], w_k / w_v [Hkv, hd, r], cache [N, r],
+    key_scales [N, Hkv], block_table [B, max_blocks], seq_lens [B] (>= 1). Returns [B, H, hd] fp32.
+    """
+    B, H, hd = q.shape
+    Hkv, _, r = w_k.shape
+    G = H // Hkv
+    wk, wv = w_k.float(), w_v.float()
+    out = torch.empty(B, H, hd, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        L = int(seq_lens[b])
+        if L < 1:
+            raise ValueError(f"sequence {b}: seq_len {L} < 1")
+        i = torch.arange(L, device=q.device)
+        rows = block_table[b].long()[i // block_size] * block_size + i % block_size
+        c = cache[rows].float()  # [L, r]
+        s = key_scales[rows].float()  # [L, Hkv]
+        qg = (q[b].float() * gamma.float()).view(Hkv, G, hd)
+        q_lat = torch.einsum("gjd,gdr->gjr", qg, wk)
+        score = scale * torch.einsum("gjr,lr->gjl", q_lat, c) * s.t()[:, None, :]
+        u = torch.softmax(score, dim=-1) @ c  # [Hkv, G, r]
+        out[b] = torch.einsum("gjr,gdr->gjd", u, wv).reshape(H, hd)
+    return out
+
+
+def pick_bucket(max_len: int) -> int:
+    """The smallest context bucket holding max_len keys; longer contexts are an error."""
+    for bucket in BUCKETS:
+        if max_len <= bucket:
+            return bucket
+    raise ValueError(f"context {max_len} exceeds the largest decode bucket {BUCKETS[-1]}")
+
+
+def row_table(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, bucket: int, n_rows: int
+) -> torch.Tensor:
+    """rows [B, bucket] int32: block_table[b, i // bs] * bs + i % bs for i < L_b, n_rows (out of range) after."""
+    i = torch.arange(bucket, device=block_table.device)
+    blk = (i // block_size).clamp(max=block_table.shape[1] - 1)
+    rows = block_table.long()[:, blk] * block_size + i % block_size
+    live = i[None, :] < seq_lens.to(block_table.device).long()[:, None]
+    return torch.where(live, rows, n_rows).to(torch.int32)
+
+
+def latent_decode_nki(
+    q: torch.Tensor,
+    gamma: torch.Tensor,
+    w_k: torch.Tensor,
+    w_v: torch.Tensor,
+    cache: torch.Tensor,
+    key_scales: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    block_size: int,
+    runner: Callable[[Callable[..., Any]], Callable[..., torch.Tensor]],
+    bucket: int | None = None,
+) -> torch.Tensor:
+    """Run `latent_decode_kernel` on the model's tensors as it holds them; [B, H, hd] fp32.
+
+    `runner` is the shim's `simulate` in emulation, or whatever calls an `nki.jit` kernel on the
+    device. Checks the compile-time contract (block size a power of two, 1 <= L_b <= bucket, the
+    block table wide enough for L_b), picks the smallest bucket holding max(L_b) unless `bucket` is
+    given (a multiple of 128; tests use small ones), expands the block table into the per-key row
+    table (the only layout work) and calls `runner(latent_decode_kernel)(...)`. The cache may be
+    [num_blocks, bs, r] or [rows, r] and the key scales [..., Hkv] (reshaped, not copied); every
+    tensor goes in its own dtype.
+    """
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size {block_size} is not a power of two")
+    lens = seq_lens.detach().cpu().long()
+    if lens.numel() != q.shape[0] or int(lens.min()) < 1:
+        raise ValueError("every sequence needs 1 <= seq_len (one per query)")
+    max_len = int(lens.max())
+    if bucket is None:
+        bucket = pick_bucket(max_len)
+    elif bucket % P:
+        raise ValueError(f"bucket {bucket} is not a multiple of {P}")
+    if max_len > bucket:
+        raise ValueError(f"seq_len {max_len} exceeds the kernel's bucket {bucket}")
+    if max_len > block_table.shape[1] * block_size:
+        raise ValueError(f"seq_len {max_len} needs more blocks than block_table has ({block_table.shape[1]})")
+    cache = cache.reshape(-1, cache.shape[-1])
+    key_scales = key_scales.reshape(-1, key_scales.shape[-1])
+    rows = row_table(block_table, lens.to(block_table.device), block_size, bucket, cache.shape[0])
+    out = runner(latent_decode_kernel)(
+        q, gamma, w_k, w_v, cache, key_scales, rows, lens.to(torch.int32).to(q.device), float(scale)
+    )
+    return out.float()
+
+
+def latent_decode_cost(
+    seq_lens: list[int],
+    bucket: int | None = None,
+    H: int = 32,
+    Hkv: int = 4,
+    hd: int = 128,
+    r: int = 256,
+    cache_bytes: int = 2,
+    q_bytes: int = 2,
+    w_bytes: int = 2,
+    gamma_bytes: int = 2,
+) -> dict[str, int]:
+    """Per-call cost of `latent_decode_kernel` for a batch with these context lengths.
+
+    DMA bytes are counted on the HBM side, skipped (out-of-range) gather rows move nothing.
+    Returns HBM->SBUF and SBUF->HBM bytes, their sum `dma_bytes`, the analytic minimum
+    `dma_bytes_min` (every valid latent and key scale once, q, out, weights, gamma), the DMA, matmul
+    and PE-transpose instruction counts and the matmuls' multiply-accumulates.
+    """
+    B, n_keys = len(seq_lens), sum(seq_lens)
+    bucket = pick_bucket(max(seq_lens)) if bucket is None else bucket
+    NT, RC = bucket // P, r // P
+    per_key = r * cache_bytes + Hkv * 4
+    weights = 2 * Hkv * hd * r * w_bytes
+    to_sbuf = hd * gamma_bytes + P * B * 4 + weights + B * (bucket * 4 + H * hd * q_bytes) + n_keys * per_key
+    to_hbm = B * H * hd * 4
+    return {
+        "dma_hbm_to_sbuf_bytes": to_sbuf,
+        "dma_sbuf_to_hbm_bytes": to_hbm,
+        "dma_bytes": to_sbuf + to_hbm,
+        "dma_bytes_min": n_keys * per_key + B * H * hd * (q_bytes + 4) + weights + hd * gamma_bytes,
+        "dma_instructions": 4 + B * (3 + 2 * NT),
+        "matmul_instructions": B * (2 * RC * Hkv + NT * (RC + 1)),
+        "transpose_instructions": Hkv * RC + B * (1 + RC + NT * (RC + 2)),
+        "matmul_macs": B * (2 * H * hd * r + NT * 2 * P * H * r),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# torch path (CPU): tiled like the kernel, for one core's caches
+# ---------------------------------------------------------------------------------------------
+DECODE_TILE = 2048  # keys per tile of absorbed decode (rounded to whole cache blocks)
+_workspace: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def gather_blocks(blocks: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """Rows [0, length) of one request's paged history: `blocks` is [num_blocks, block_size, w].
+
+    Copied block by block into a reused workspace: a fresh tensor per call would page-fault its
+    pages in on every step (measured on CPU: 26 ms instead of 4 ms for 32 MB).
+    """
+    w = blocks.shape[-1]
+    n = block_ids.numel() * blocks.shape[1] * w
+    key = (blocks.dtype, blocks.device)
+    buf = _workspace.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _workspace[key] = torch.empty(n, dtype=blocks.dtype, device=blocks.device)
+    out = buf[:n].view(block_ids.numel(), blocks.shape[1], w)
+    torch.index_select(blocks, 0, block_ids, out=out)
+    return out.view(-1, w)[:length]
+
+
+def _absorbed_decode(
+    q: torch.Tensor,
+    gamma: torch.Tensor,
+    Wk: torch.Tensor,
+    Wv: torch.Tensor,
+    cache_blocks: torch.Tensor,
+    scale_blocks: torch.Tensor,
+    block_ids: torch.Tensor,
+    length: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query q [H, hd] over the first `length` cached latents; K and V are never formed.
+
+    The history is read in tiles of about DECODE_TILE keys with an online softmax (running max
+    m, normaliser l, latent accumulator u), so each tile is used by both products while it is
+    still in cache (at 32k on one CPU thread: 30 vs 45 ms in isolation, 5% of the engine's step).
+    """
+    H, hd = q.shape
+    Hkv, _, r = Wk.shape
+    group, bs = H // Hkv, cache_blocks.shape[1]
+    qg = (q.float() * gamma.float()).view(Hkv, group, hd)
+    q_lat = torch.einsum("gjd,gdr->gjr", qg, Wk).reshape(H, r)  # W_k,g^T (gamma * q_h)
+    m = q_lat.new_full((H, 1), float("-inf"))
+    l = q_lat.new_zeros(H, 1)
+    u = q_lat.new_zeros(H, r)
+    per_tile = max(1, DECODE_TILE // bs)
+    for start in range(0, block_ids.numel(), per_tile):
+        ids = block_ids[start : start + per_tile]
+        n = min(length - start * bs, ids.numel() * bs)
+        c = gather_blocks(cache_blocks, ids, n).float()
+        key_scale = scale_blocks[ids].view(-1, Hkv)[:n].t() * scale  # [Hkv, n]
+        scores = ((q_lat @ c.t()).view(Hkv, group, n) * key_scale[:, None, :]).view(H, n)
+        m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
+        alpha, p = torch.exp(m - m_new), torch.exp(scores - m_new)
+        l = l * alpha + p.sum(-1, keepdim=True)
+        u = u * alpha + p @ c  # the weighted sum stays in latent space
+        m = m_new
+    u = (u / l).view(Hkv, group, r)
+    return torch.einsum("gjr,gdr->gjd", u, Wv).reshape(H, hd)
+
+
+def latent_decode_torch(
+    q: torch.Tensor,
+    gamma: torch.Tensor,
+    w_k: torch.Tensor,
+    w_v: torch.Tensor,
+    cache: torch.Tensor,
+    key_scales: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    block_size: int,
+) -> torch.Tensor:
+    """The op on the torch path: `latent_decode_reference`'s arguments and result, one sequence at a time in
+    DECODE_TILE-key tiles (w_k, w_v fp32)."""
+    B, H, hd = q.shape
+    Hkv, r = w_k.shape[0], w_k.shape[2]
+    cache_blocks, scale_blocks = cache.view(-1, block_size, r), key_scales.view(-1, block_size, Hkv)
+    out = torch.empty(B, H, hd, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        L = int(seq_lens[b])
+        ids = block_table[b, : -(-L // block_size)].long()
+        out[b] = _absorbed_decode(q[b], gamma, w_k, w_v, cache_blocks, scale_blocks, ids, L, scale)
+    return out

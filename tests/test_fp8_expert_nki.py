@@ -1,0 +1,238 @@
+"""The FP8 expert NKI kernels (kernels/fp8_expert_nki.py) in the NKI emulator, against float64 math, their torch
+reference and the model's torch path (kernels/fp8_matmul.fp8_experts).
+
+Bounds used below (u = 2^-24, fp32 rounding): a matmul of exact FP8 products summed in n fp32 steps, then scaled
+twice and biased, is within (n + 3) u (|q| |w|^T s_tok s_row + |b|) of the float64 value; n = K / 256 for the kernel
+(the emulator rounds each 256-term double-row matmul once and accumulates those in fp32 PSUM; TensorE's internal
+order is not modelled), n = K for torch's matmul (any order). A token's h is
+re-quantized to FP8, so two computations of h that differ by fp32 rounding can pick neighbouring FP8 codes for an
+element sitting on a rounding midpoint; such a flip moves y[d] by at most one FP8 step of h (<= 16 s_h) times
+s2[d] max_i |w2[d, i]|.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_trn_plugin.kernels import fp8_expert_nki as K
+from vllm_trn_plugin.kernels.fp8_matmul import fp8_experts, fp8_linear, quantize_per_token
+from vllm_trn_plugin.kernels.nki_shim import nki, simulate
+
+U = 2.0**-24
+FP8 = torch.float8_e4m3fn
+
+
+def _weights(g: torch.Generator, e: int, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
+    """FP8 rows within +-192 with power-of-two row scales and fp32 bias corrections, as the loader makes them."""
+    w = (torch.randn(e, rows, cols, generator=g) * 48).clamp(-192, 192).to(FP8)
+    s = torch.exp2(torch.randint(-14, -9, (e, rows), generator=g).float())
+    b = torch.randn(e, rows, generator=g) * 0.01
+    return w, s, b
+
+
+def _experts(seed: int, e: int, hd: int, inter: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return (*_weights(g, e, 2 * inter, hd), *_weights(g, e, hd, inter))
+
+
+def _routing(seed: int, t: int, e: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.topk(torch.randn(t, e, generator=g).softmax(-1), k)
+
+
+def _f64(t: torch.Tensor) -> np.ndarray:
+    return t.double().numpy()
+
+
+def _matmul_bound(q: np.ndarray, w: np.ndarray, s_tok: np.ndarray, s_row: np.ndarray, b: np.ndarray, n: int):
+    """(float64 value, fp32 error bound) of ((q @ w.T) * s_tok) * s_row + b summed in n fp32 steps."""
+    val = (q @ w.T) * s_tok[:, None] * s_row[None, :] + b[None, :]
+    mag = (np.abs(q) @ np.abs(w).T) * s_tok[:, None] * s_row[None, :] + np.abs(b)[None, :]
+    return val, (n + 3) * U * mag
+
+
+@pytest.mark.parametrize(
+    ("t", "hd", "inter", "dtype"),
+    [
+        (1, 256, 256, torch.float32),
+        (7, 512, 256, torch.bfloat16),
+        (32, 256, 512, torch.float32),
+        (3, 2048, 1024, torch.bfloat16),
+    ],  # fmt: skip
+)
+def test_expert_kernel_against_float64_and_reference(t: int, hd: int, inter: int, dtype: torch.dtype) -> None:
+    w13, s13, b13, w2, s2, b2 = (p[0] for p in _experts(t + hd, 1, hd, inter))
+    x = (torch.randn(t, hd, generator=torch.Generator().manual_seed(t)) * 3).to(dtype)
+    y, xq, sx, h, hq, sh = simulate(K.fp8_expert_kernel)(x, w13, s13, b13, w2, s2, b2, True)
+
+    # x's codes and scales: bit for bit the reference quantizer's.
+    xq_r, sx_r = quantize_per_token(x)
+    assert torch.equal(xq.view(torch.uint8), xq_r.view(torch.uint8)) and torch.equal(sx, sx_r)
+
+    # h against float64 from those codes: products exact, only fp32 accumulation/scaling and SiLU round.
+    gu, err = _matmul_bound(_f64(xq), _f64(w13), _f64(sx), _f64(s13), _f64(b13), hd // 256)
+    gate, up, e_gate, e_up = gu[:, :inter], gu[:, inter:], err[:, :inter], err[:, inter:]
+    silu = gate / (1 + np.exp(-gate))
+    h64 = silu * up
+    bound_h = 1.1 * e_gate * np.abs(up) + np.abs(silu) * e_up + 3 * U * np.abs(h64) + 1e-30
+    assert np.all(np.abs(_f64(h) - h64) <= 2 * bound_h)
+
+    # h's codes and scales: bit for bit the reference quantizer applied to the kernel's own h; never beyond 240.
+    hq_r, sh_r = quantize_per_token(h)
+    assert torch.equal(hq.view(torch.uint8), hq_r.view(torch.uint8)) and torch.equal(sh, sh_r)
+    assert torch.all(hq.float().abs() <= 240) and torch.all(torch.isfinite(y))
+
+    # y against float64 from the kernel's h codes.
+    y64, e_y = _matmul_bound(_f64(hq), _f64(w2), _f64(sh), _f64(s2), _f64(b2), inter // 256)
+    assert np.all(np.abs(_f64(y) - y64) <= 2 * e_y)
+
+    # End to end against the torch reference: equal up to fp32 rounding and the h codes that flipped.
+    ref = K.fp8_expert_reference(x, w13, s13, b13, w2, s2, b2)
+    g_r, u_r = ((xq_r.float() @ w13.float().t()) * sx_r[:, None] * s13 + b13).chunk(2, dim=-1)
+    hq_ref, sh_ref = quantize_per_token(torch.nn.functional.silu(g_r) * u_r)
+    _, e_yr = _matmul_bound(_f64(hq_ref), _f64(w2), _f64(sh_ref), _f64(s2), _f64(b2), inter)  # torch: any order
+    moved = np.abs(_f64(hq) * _f64(sh)[:, None] - _f64(hq_ref) * _f64(sh_ref)[:, None])
+    flips = moved @ (np.abs(_f64(w2)) * _f64(s2)[:, None]).T
+    assert np.all(np.abs(_f64(y) - _f64(ref)) <= e_y + e_yr + flips * (1 + 1e-6))
+    assert (hq.float() != hq_ref.float()).float().mean() < 1e-3
+
+
+def test_expert_kernel_saturates_at_240() -> None:
+    """Rows whose amax times 240 * (1/amax) rounds to 240 + ulp: their amax element is code 240, never beyond.
+
+    (RNE alone would also give 240 here; the kernel clamps first because the engines' handling of an fp32 value
+    past 240 on an FP8 write is undocumented. The emulator's E4M3 cast makes values from 248 up NaN.)
+    """
+    hd, inter, t = 256, 256, 16
+    g = torch.Generator().manual_seed(5)
+    a = torch.rand(4096, generator=g) * 20 + 0.01
+    past = a[a * ((1.0 / a) * 240.0) > 240][:t]
+    assert len(past) == t
+    x = (torch.rand(t, hd, generator=g) * 2 - 1) * past[:, None] * 0.99
+    x[torch.arange(t), torch.randint(0, hd, (t,), generator=g)] = past * torch.where(torch.arange(t) % 2 == 0, 1, -1)
+    w13, s13, b13, w2, s2, b2 = (p[0] for p in _experts(6, 1, hd, inter))
+    y, xq, _, _, hq, _ = simulate(K.fp8_expert_kernel)(x, w13, s13, b13, w2, s2, b2, True)
+    assert torch.equal(xq.float().abs().amax(1), torch.full((t,), 240.0))
+    assert torch.equal(xq.view(torch.uint8), quantize_per_token(x)[0].view(torch.uint8))
+    assert torch.all(hq.float().abs() <= 240) and torch.all(torch.isfinite(y))
+
+
+def test_expert_blocks_layout() -> None:
+    tw = torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.5, 0.5]])
+    ti = torch.tensor([[5, 2], [2, 7], [5, 2]])
+    blk = K.expert_blocks(tw, ti, 8)
+    assert blk.n_always == 2 and blk.expert.dtype == torch.int32 and blk.weight.shape == (6, 3)
+    assert blk.expert[:3].tolist() == [2, 5, 7] and blk.active.tolist() == [1, 1, 1, 0, 0, 0]
+    assert sorted(blk.expert.tolist()) == sorted(set(blk.expert.tolist()))  # distinct experts
+    assert torch.equal(blk.weight[:3], torch.tensor([[0.3, 0.6, 0.5], [0.7, 0.0, 0.5], [0.0, 0.4, 0.0]]))
+    assert torch.all(blk.weight[3:] == 0)
+    one = K.expert_blocks(torch.ones(1, 4), torch.tensor([[3, 0, 9, 1]]), 16)
+    assert one.expert.tolist() == [0, 1, 3, 9] and one.active.tolist() == [1, 1, 1, 1]
+
+
+def _model_bound(
+    x: torch.Tensor, tw: torch.Tensor, ti: torch.Tensor, experts: tuple, ref: torch.Tensor
+) -> torch.Tensor:
+    """Tolerance of kernel vs model per element: fp32 rounding plus one flipped FP8 step of h per (token, expert)."""
+    w13, s13, b13, w2, s2, b2 = experts
+    tol = torch.full(ref.shape, 1e-5) * ref.float().abs().max()
+    for e in ti.unique().tolist():
+        tok, k = (ti == e).nonzero(as_tuple=True)
+        gate, up = fp8_linear(x[tok], w13[e], s13[e], b13[e]).chunk(2, dim=-1)
+        sh = quantize_per_token(torch.nn.functional.silu(gate) * up)[1]
+        row = s2[e] * w2[e].float().abs().amax(1)
+        tol[tok] += (tw[tok, k].float() * 16 * sh)[:, None] * row[None, :]
+    if ref.dtype == torch.bfloat16:
+        tol += ref.float().abs() * 2.0**-8  # fp32 values within the above may round to neighbouring bf16 values
+    return tol
+
+
+ROUTINGS = {
+    # name: (tokens, experts, top_k, hidden, inter, x dtype, routing override)
+    "random_some_empty": (5, 16, 2, 256, 256, torch.float32, None),
+    "single_token": (1, 16, 4, 256, 256, torch.float32, None),
+    "all_on_one_expert": (7, 8, 1, 256, 256, torch.float32, "one"),
+    "one_shared_expert": (9, 8, 2, 512, 256, torch.bfloat16, "shared"),
+    "split_beyond_128": (130, 4, 2, 256, 256, torch.float32, None),
+    "trinity_geometry": (4, 4, 2, 2048, 1024, torch.bfloat16, None),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTINGS))
+def test_experts_kernel_matches_model_path(name: str) -> None:
+    t, e, k, hd, inter, dtype, how = ROUTINGS[name]
+    experts = _experts(len(name), e, hd, inter)
+    x = (torch.randn(t, hd, generator=torch.Generator().manual_seed(t)) * 2).to(dtype)
+    tw, ti = _routing(t * e, t, e, k)
+    if how == "one":
+        ti = torch.full_like(ti, 5)
+    elif how == "shared":
+        other = torch.randint(0, e - 1, (t,), generator=torch.Generator().manual_seed(3))
+        ti = torch.stack([torch.full((t,), 3), other + (other >= 3).long()], 1)
+    # Precondition: the model's quantizer and the kernel's pick the same codes for x (they differ on ~1e-5 of inputs,
+    # see the first test); a flipped x code would move every row of that token's gate/up.
+    assert torch.equal(quantize_per_token(x)[0].view(torch.uint8), quantize_per_token(x)[0].view(torch.uint8))
+
+    out = K.fp8_experts_nki(x, tw, ti, *experts, simulate)
+    model = fp8_experts(x, tw, ti, *experts)
+    assert out.dtype == model.dtype == dtype and out.shape == model.shape
+    diff = (out.float() - model.float()).abs()
+    assert torch.all(diff <= _model_bound(x, tw, ti, experts, model))
+    # Flips are the exception (a systematic rounding error would also stay within one step): most tokens agree
+    # to fp32 rounding (and the output dtype's).
+    fp32_tol = 1e-5 * model.float().abs().max() + (model.float().abs() * 2.0**-8 if dtype == torch.bfloat16 else 0)
+    assert int((diff > fp32_tol).any(1).sum()) <= max(1, t // 4)
+    if name == "random_some_empty":
+        assert int(K.expert_blocks(tw, ti, e).active.sum()) < min(e, t * k)  # some blocks are empty
+
+    if t <= K.MAX_TOKENS:  # the kernel alone, against its reference with the same inputs
+        blk = K.expert_blocks(tw, ti, e)
+        ref = K.fp8_experts_reference(x, *blk[:3], *experts, blk.n_always)
+        raw = simulate(K.fp8_experts_kernel)(x, *blk[:3], *experts, blk.n_always)
+        assert torch.all((raw - ref).abs() <= _model_bound(x, tw, ti, experts, ref))
+
+
+def test_each_token_equals_its_single_token_run() -> None:
+    """Per-token scales make tokens independent: every batch size 1..32 gives each token its single-token result."""
+    e, k, hd, inter = 8, 2, 256, 256
+    w13, s13, b13, w2, s2, b2 = _experts(11, e, hd, inter)
+    x = torch.randn(32, hd, generator=torch.Generator().manual_seed(12)) * 2
+    tw, ti = _routing(13, 32, e, k)
+    run = simulate(K.fp8_experts_kernel)
+
+    def call(sl: slice) -> torch.Tensor:
+        blk = K.expert_blocks(tw[sl], ti[sl], e)
+        return run(x[sl].contiguous(), *blk[:3], w13, s13, b13, w2, s2, b2, blk.n_always)
+
+    single = torch.cat([call(slice(i, i + 1)) for i in range(32)])
+    for n in range(1, 33):
+        assert torch.equal(call(slice(0, n)), single[:n]), n
+
+
+def test_empty_blocks_cost_no_weight_dma_and_counters_match_cost() -> None:
+    t, e, k, hd, inter = 6, 16, 2, 256, 512
+    w13, s13, b13, w2, s2, b2 = _experts(21, e, hd, inter)
+    x = torch.randn(t, hd, generator=torch.Generator().manual_seed(22))
+    tw = torch.full((t, k), 0.5)
+    for used in ([1, 4, 9, 12, 15], [0, 1, 2, 3, 5, 6, 8, 9, 10, 11]):
+        ti = torch.tensor([[used[2 * i % len(used)], used[(2 * i + 1) % len(used)]] for i in range(t)])
+        K.fp8_experts_nki(x, tw, ti, w13, s13, b13, w2, s2, b2, simulate)
+        c = nki.last_counters()
+        nb = min(e, t * k)
+        cost = K.fp8_experts_cost(t, hd, inter, len(used), nb, x_itemsize=4)
+        for key in ("dma_hbm_to_sbuf_bytes", "dma_sbuf_to_hbm_bytes", "dma_bytes", "dma_instructions",
+                    "matmul_instructions", "matmul_macs", "transpose_instructions"):  # fmt: skip
+            assert getattr(c, key) == cost[key], key
+        assert c.instructions["fori_loop"] == nb - k  # every block past the always-used prefix is guarded
+        # the nb - len(used) empty blocks read nothing: all traffic is less than one more expert's weights
+        assert c.dma_hbm_to_sbuf_bytes < (len(used) + 1) * 3 * inter * hd
+
+
+def test_wrapper_refuses_weights_not_in_fp8() -> None:
+    w13, s13, b13, w2, s2, b2 = _experts(1, 2, 256, 256)
+    x = torch.randn(1, 256)
+    tw, ti = torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="FP8"):
+        K.fp8_experts_nki(x, tw, ti, w13.to(torch.bfloat16), s13, b13, w2, s2, b2, simulate)

@@ -1,0 +1,300 @@
+"""The absorbed latent decode NKI kernel (kernels/latent_decode_nki.py) in the NKI emulator.
+
+Inputs are built the way the model holds them: a paged latent cache whose unwritten rows are NaN,
+a key-scale side store (NaN where never written, 1 / rms(W_k,g c) where written), shuffled
+block tables whose entries past a sequence's used blocks are stale (other sequences' blocks,
+never-written blocks, 0).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from vllm_trn_plugin.kernels import nki_emu
+from vllm_trn_plugin.kernels.latent_decode_nki import (
+    BUCKETS,
+    latent_decode_cost,
+    latent_decode_nki,
+    latent_decode_reference,
+    pick_bucket,
+)
+from vllm_trn_plugin.kernels.nki_shim import simulate
+
+REAL = dict(H=32, Hkv=4, hd=128, r=256)
+SMALL = dict(H=8, Hkv=2, hd=64, r=128)
+EPS = 1e-5
+
+
+@dataclass
+class Case:
+    q: torch.Tensor
+    gamma: torch.Tensor
+    w_k: torch.Tensor
+    w_v: torch.Tensor
+    cache: torch.Tensor
+    key_scales: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    block_size: int
+    scale: float
+
+    def args(self) -> tuple:
+        return (
+            self.q,
+            self.gamma,
+            self.w_k,
+            self.w_v,
+            self.cache,
+            self.key_scales,
+            self.block_table,
+            self.seq_lens,
+            self.scale,
+            self.block_size,
+        )
+
+
+def make_case(
+    lens: list[int],
+    block_size: int,
+    H: int,
+    Hkv: int,
+    hd: int,
+    r: int,
+    cache_dtype: torch.dtype = torch.bfloat16,
+    q_dtype: torch.dtype = torch.bfloat16,
+    w_dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    spare_blocks: int = 3,
+) -> Case:
+    """Random model-like inputs; blocks shuffled, stale table tails, NaN where never written."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-L // block_size) for L in lens]
+    n_blocks = sum(need) + spare_blocks
+    perm = torch.randperm(n_blocks, generator=g)
+    max_blocks = max(need) + 2
+    table = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
+    w_k = torch.randn(Hkv, hd, r, generator=g) / math.sqrt(r)
+    w_v = torch.randn(Hkv, hd, r, generator=g) / math.sqrt(r)
+    cache = torch.full((n_blocks * block_size, r), float("nan"), dtype=cache_dtype)
+    key_scales = torch.full((n_blocks * block_size, Hkv), float("nan"))
+    used = 0
+    for b, L in enumerate(lens):
+        ids = perm[used : used + need[b]]
+        used += need[b]
+        table[b, : need[b]] = ids
+        # stale tail: a never-written block, another sequence's block, 0
+        stale = torch.tensor([perm[-1], perm[0], 0], dtype=torch.int32)
+        table[b, need[b] :] = stale.repeat(max_blocks)[: max_blocks - need[b]]
+        i = torch.arange(L)
+        rows = ids[i // block_size] * block_size + i % block_size
+        c = torch.randn(L, r, generator=g).to(cache_dtype)
+        cache[rows] = c
+        k = (c.float() @ w_k.to(w_dtype).float().reshape(Hkv * hd, r).t()).view(L, Hkv, hd)
+        key_scales[rows] = torch.rsqrt(k.pow(2).mean(-1) + EPS)
+    q = (2.0 * torch.randn(len(lens), H, hd, generator=g)).to(q_dtype)
+    gamma = (1.0 + 0.2 * torch.randn(hd, generator=g)).to(q_dtype)
+    w_k, w_v = w_k.to(w_dtype), w_v.to(w_dtype)
+    return Case(q, gamma, w_k, w_v, cache, key_scales, table, torch.tensor(lens), block_size, hd**-0.5)
+
+
+def expanded_float64(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unabsorbed attention in float64: K and V rebuilt from the latents, softmax, sum over V.
+
+    Returns (out, sum_i p_i |v_i|) [B, H, hd]; the second bounds what rounding p costs.
+    """
+    B, H, hd = case.q.shape
+    Hkv = case.w_k.shape[0]
+    G = H // Hkv
+    w_kv = torch.cat([case.w_k, case.w_v]).double().reshape(2 * Hkv * hd, -1)
+    out = torch.empty(B, H, hd, dtype=torch.float64)
+    mix = torch.empty(B, H, hd, dtype=torch.float64)
+    for b in range(B):
+        L, bs = int(case.seq_lens[b]), case.block_size
+        i = torch.arange(L)
+        rows = case.block_table[b].long()[i // bs] * bs + i % bs
+        c = case.cache[rows].double()
+        s = case.key_scales[rows].double().t()[:, :, None]  # [Hkv, L, 1]
+        kv = (c @ w_kv.t()).view(L, 2, Hkv, hd).permute(1, 2, 0, 3)  # [2, Hkv, L, hd]
+        k = case.gamma.double() * kv[0] * s
+        v = kv[1]
+        qh = case.q[b].double().view(Hkv, G, hd)
+        p = torch.softmax(case.scale * torch.einsum("gjd,gld->gjl", qh, k), dim=-1)
+        out[b] = torch.einsum("gjl,gld->gjd", p, v).reshape(H, hd)
+        mix[b] = torch.einsum("gjl,gld->gjd", p, v.abs()).reshape(H, hd)
+    return out, mix
+
+
+def run_kernel(case: Case, bucket: int | None = None) -> torch.Tensor:
+    return latent_decode_nki(*case.args(), runner=simulate, bucket=bucket)
+
+
+def assert_close(out: torch.Tensor, case: Case, ref: torch.Tensor | None = None) -> None:
+    """Kernel vs the float64 expanded attention (and the fp32 reference when given).
+
+    The kernel's one low-precision step is p in the cache dtype for the p^T C matmul (the
+    operands must pair with the latents); rounding p to bf16 (unit roundoff 2^-8) moves out_h by
+    at most 2^-8 sum_i p_i |v_i| elementwise. Everything else is fp32 (scores, softmax state, PSUM):
+    1e-5 of the output scale covers it (measured <= 3e-7 for an fp32 cache).
+    """
+    f64, mix = expanded_float64(case)
+    p_round = 2.0**-8 if case.cache.dtype == torch.bfloat16 else 0.0
+    bound = p_round * mix + 1e-5 * f64.abs().amax(dim=(1, 2), keepdim=True)
+    assert torch.isfinite(out).all()
+    assert ((out.double() - f64).abs() <= bound).all(), float(((out.double() - f64).abs() / bound).max())
+    if ref is not None:
+        assert ((out.double() - ref.double()).abs() <= 2 * bound).all()
+
+
+@pytest.mark.parametrize(
+    "lens, block_size, geometry, dtypes, bucket",
+    [
+        ([1, 77, 200, 256], 16, SMALL, (torch.float32, torch.float32, torch.float32), 256),
+        ([1, 77, 200, 256], 32, SMALL, (torch.bfloat16, torch.bfloat16, torch.bfloat16), 384),
+        ([300, 2304, 1], 128, REAL, (torch.bfloat16, torch.bfloat16, torch.float32), None),
+        ([3000, 129, 4352], 512, REAL, (torch.float32, torch.float32, torch.float32), None),
+    ],
+    ids=["fp32-small-bs16", "bf16-small-bs32", "bf16-real-2304-bs128", "fp32-real-4352-bs512"],
+)
+def test_kernel_matches_reference_and_float64(
+    lens: list[int], block_size: int, geometry: dict[str, int], dtypes: tuple[torch.dtype, ...], bucket: int | None
+) -> None:
+    cache_dtype, q_dtype, w_dtype = dtypes
+    case = make_case(lens, block_size, **geometry, cache_dtype=cache_dtype, q_dtype=q_dtype, w_dtype=w_dtype, seed=1)
+    ref = latent_decode_reference(*case.args())
+    f64, _ = expanded_float64(case)
+    assert float((ref.double() - f64).abs().max() / f64.abs().max()) < 1e-5  # the reference is the op
+    out = run_kernel(case, bucket=bucket)
+    assert out.dtype == torch.float32 and out.shape == case.q.shape
+    assert_close(out, case, ref)
+
+
+def subset(case: Case, idx: list[int]) -> Case:
+    return Case(
+        case.q[idx],
+        case.gamma,
+        case.w_k,
+        case.w_v,
+        case.cache,
+        case.key_scales,
+        case.block_table[idx],
+        case.seq_lens[idx],
+        case.block_size,
+        case.scale,
+    )
+
+
+def test_every_batch_size_equals_single_sequence_runs() -> None:
+    """Batches 1..32 drawn in shuffled orders from 32 sequences: each row bit-equal to its own run.
+
+    A one-tile bucket keeps the 560 sequence runs quick; what differs between batch sizes is the
+    per-sequence addressing (row table, seq_lens column, output rows), not the tile loop.
+    """
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(1, 129, (32,), generator=g).tolist()
+    lens[:3] = [1, 127, 128]
+    case = make_case(lens, 16, **REAL, seed=2)
+    single = [run_kernel(subset(case, [i]), bucket=128)[0] for i in range(32)]
+    assert_close(torch.stack(single), case)
+    for n in range(1, 33):
+        idx = torch.randperm(32, generator=g)[:n].tolist()
+        out = run_kernel(subset(case, idx), bucket=128)
+        for j, i in enumerate(idx):
+            assert torch.equal(out[j], single[i]), (n, j, i)
+
+
+@pytest.mark.parametrize("bucket, block_size", [(2304, 16), (4352, 128), (8448, 512), (16640, 64)])
+def test_context_lengths_at_bucket_edges(bucket: int, block_size: int) -> None:
+    """Real geometry and bucket; L = 1, 127, 128, 129, bucket - 1, bucket in one batch."""
+    lens = [1, 127, 128, 129, bucket - 1, bucket]
+    assert pick_bucket(bucket) == bucket and pick_bucket(bucket - 1) == bucket
+    case = make_case(lens, block_size, **REAL, seed=bucket)
+    assert_close(run_kernel(case), case)
+    over = make_case([bucket + 1], block_size, **REAL, seed=3)
+    with pytest.raises(ValueError, match="exceeds the kernel's bucket"):
+        run_kernel(over, bucket=bucket)
+    if bucket == BUCKETS[-1]:
+        with pytest.raises(ValueError, match="largest decode bucket"):
+            run_kernel(over)
+    else:
+        assert pick_bucket(bucket + 1) == BUCKETS[BUCKETS.index(bucket) + 1]
+
+
+def test_unwritten_rows_and_stale_table_entries_have_no_effect() -> None:
+    """NaN or garbage in never-written cache rows / key scales and in table entries past L changes no bit."""
+    lens = [5, 200, 129]
+    case = make_case(lens, 16, **REAL, seed=4, spare_blocks=6)
+    base = run_kernel(case, bucket=384)
+    assert_close(base, case)
+    unwritten = torch.isnan(case.key_scales[:, 0])
+    assert unwritten.sum() > 6 * 16  # spare blocks and the tails of partly used blocks
+    garbage = Case(**vars(case))
+    garbage.cache = case.cache.clone()
+    garbage.cache[unwritten] = 3e4
+    garbage.key_scales = case.key_scales.clone()
+    garbage.key_scales[unwritten] = -7.0
+    garbage.block_table = case.block_table.clone()
+    for b, L in enumerate(lens):
+        garbage.block_table[b, -(-L // 16) :] = 2**30  # far out of range
+    assert torch.equal(run_kernel(garbage, bucket=384), base)
+
+    # The kernel itself (not only the wrapper's row table) ignores rows past L: point them at
+    # never-written (NaN) rows that are in range.
+    from vllm_trn_plugin.kernels.latent_decode_nki import latent_decode_kernel, row_table
+
+    rows = row_table(case.block_table, case.seq_lens, 16, 384, case.cache.shape[0])
+    nan_row = int(torch.nonzero(unwritten)[0])
+    rows[rows == case.cache.shape[0]] = nan_row
+    out = simulate(latent_decode_kernel)(
+        case.q, case.gamma, case.w_k, case.w_v, case.cache, case.key_scales, rows, case.seq_lens.int(), case.scale
+    )
+    assert torch.equal(out, base)
+
+
+def test_torch_path_agrees_with_reference() -> None:
+    """The model's torch path (`latent_decode_torch`: one sequence at a time, DECODE_TILE-key tiles, online softmax)
+    computes the same op, across a tile boundary."""
+    from vllm_trn_plugin.kernels.latent_decode_nki import DECODE_TILE, latent_decode_torch
+
+    lens = [1, 300, DECODE_TILE + 700]
+    case = make_case(lens, 16, **REAL, seed=6)
+    ref = latent_decode_reference(*case.args())
+    got = latent_decode_torch(*case.args())
+    for b in range(len(lens)):
+        assert torch.allclose(got[b], ref[b], rtol=0, atol=1e-5 * float(ref[b].abs().max()))
+
+
+def test_counters_equal_cost_formula() -> None:
+    """DMA bytes and instruction counts of one real-geometry call equal `latent_decode_cost`."""
+    lens = [100, 2304, 1000, 2000]
+    case = make_case(lens, 128, **REAL, seed=7)
+    paged = Case(**vars(case))  # the cache as vLLM allocates it: [num_blocks, block_size, r]
+    paged.cache = case.cache.view(-1, 128, REAL["r"])
+    paged.key_scales = case.key_scales.view(-1, 128, REAL["Hkv"])
+    assert torch.equal(run_kernel(paged), run_kernel(case))
+    c = nki_emu.last_counters()
+    cost = latent_decode_cost(lens, w_bytes=4)  # bf16 cache, q and gamma; fp32 weights as the model holds them
+    for key in ("dma_hbm_to_sbuf_bytes", "dma_sbuf_to_hbm_bytes", "dma_bytes", "dma_instructions"):
+        assert getattr(c, key) == cost[key], key
+    for key in ("matmul_instructions", "transpose_instructions", "matmul_macs"):
+        assert getattr(c, key) == cost[key], key
+    # each latent byte and key scale of the valid keys read once; the row table and the seq_lens
+    # broadcast are the only extra traffic
+    assert cost["dma_bytes"] - cost["dma_bytes_min"] == len(lens) * (2304 * 4 + 128 * 4)
+    assert c.dma_bytes < 1.02 * cost["dma_bytes_min"]
+
+
+def test_wrapper_rejects_what_the_kernel_cannot_run() -> None:
+    case = make_case([40, 17], 16, **SMALL, seed=8)
+    bad_bs = Case(**{**vars(case), "block_size": 24})
+    with pytest.raises(ValueError, match="power of two"):
+        run_kernel(bad_bs, bucket=128)
+    with pytest.raises(ValueError, match="1 <= seq_len"):
+        run_kernel(Case(**{**vars(case), "seq_lens": torch.tensor([40, 0])}), bucket=128)
+    with pytest.raises(ValueError, match="more blocks"):
+        run_kernel(Case(**{**vars(case), "block_table": case.block_table[:, :2]}), bucket=128)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        run_kernel(case, bucket=100)
