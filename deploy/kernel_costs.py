@@ -1,0 +1,137 @@
+"""Cost table of the three NKI decode kernels at realistic shapes: DMA bytes per call against the analytic
+minimum, instruction counts, and an estimated Trainium2 time (a roofline estimate, not a measurement).
+
+    .venv/bin/python deploy/kernel_costs.py            # prints the markdown table of docs/kernels.md
+
+Counts come from each kernel's cost formula (kernels/*_nki.py); first, for one shape per kernel, the
+kernel is run in the NKI emulator and its counters are checked equal to the formula (the kernel tests
+check more shapes). The estimate is max(HBM time, TensorE time) for one physical NeuronCore-v3 (the
+kernels are called at LNC=1): HBM 2.9 TB/s per Trainium2 chip shared by its 8 NeuronCores, TensorE
+79 TFLOPS bf16 dense, 2x that for FP8 double-row, 1/4 of it for fp32 operands (fp32 matmuls take four
+passes: an assumption, the public docs give bf16 and FP8 rates only). Not modelled: instruction issue
+and DMA descriptor overheads, engine dependencies and overlap, SBUF bank conflicts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_trn_plugin.kernels import fp8_expert_nki, gla_decode_nki, latent_decode_nki
+from vllm_trn_plugin.kernels.nki_shim import nki, simulate
+
+HBM_BYTES_PER_S = 2.9e12 / 8
+BF16_MACS_PER_S = 79e12 / 2
+RATE = {"bf16": BF16_MACS_PER_S, "fp8": 2 * BF16_MACS_PER_S, "fp32": BF16_MACS_PER_S / 4}
+
+# Trinity-Mini / Laplace 3B geometry (shared/spec/models.md)
+H, HKV, HD, R = 32, 4, 128, 256
+HIDDEN, INTER, EXPERTS, TOP_K = 2048, 1024, 128, 8
+GLA_H, DK, DV = 16, 96, 192
+
+
+def _check(name: str, got: dict[str, int], want: dict[str, int], keys: dict[str, str]) -> None:
+    bad = {k: (got[k], want[v]) for k, v in keys.items() if got[k] != want[v]}
+    if bad:
+        raise SystemExit(f"{name}: emulator counters differ from the cost formula: {bad}")
+    print(f"{name}: emulator counters equal the cost formula ({', '.join(keys)})")
+
+
+def verify() -> None:
+    g = torch.Generator().manual_seed(0)
+    # latent decode, B = 2 at full geometry, bucket 2304
+    lens, bs = [700, 2000], 128
+    bt = torch.zeros(2, 16, dtype=torch.int32)
+    bt[0, :6], bt[1, :16] = torch.arange(6), torch.arange(6, 22)
+    args = (
+        torch.randn(2, H, HD, generator=g).bfloat16(),
+        torch.rand(HD, generator=g).bfloat16() + 0.5,
+        (torch.randn(HKV, HD, R, generator=g) / 16).bfloat16(),
+        (torch.randn(HKV, HD, R, generator=g) / 16).bfloat16(),
+        torch.randn(22 * bs, R, generator=g).bfloat16(),
+        torch.rand(22 * bs, HKV, generator=g) + 0.5,
+        bt,
+        torch.tensor(lens, dtype=torch.int32),
+        HD**-0.5,
+        bs,
+    )
+    latent_decode_nki.latent_decode_nki(*args, simulate)
+    c = nki.last_counters()
+    want = latent_decode_nki.latent_decode_cost(lens)
+    _check("latent decode", _counts(c), want, {"dma": "dma_bytes", "matmuls": "matmul_instructions"})
+
+    # FP8 experts, T = 2 tokens at full geometry (4 experts: the weights of 4 of 128 are enough to check)
+    e, t = 4, 2
+    w13 = (torch.randn(e, 2 * INTER, HIDDEN, generator=g) * 60).clamp(-240, 240).to(torch.float8_e4m3fn)
+    w2 = (torch.randn(e, HIDDEN, INTER, generator=g) * 60).clamp(-240, 240).to(torch.float8_e4m3fn)
+    ids = torch.tensor([[0, 2], [2, 3]])
+    fp8_expert_nki.fp8_experts_nki(
+        torch.randn(t, HIDDEN, generator=g).bfloat16(), torch.rand(t, 2, generator=g), ids,
+        w13, torch.full((e, 2 * INTER), 1e-3), torch.zeros(e, 2 * INTER),
+        w2, torch.full((e, HIDDEN), 1e-3), torch.zeros(e, HIDDEN), simulate,
+    )  # fmt: skip
+    want = fp8_expert_nki.fp8_experts_cost(t, HIDDEN, INTER, active_experts=3, num_blocks=min(e, t * 2))
+    _check("FP8 experts", _counts(nki.last_counters()), want, {"dma": "dma_bytes", "matmuls": "matmul_instructions"})
+
+    # GLA step, B = 4 at full geometry
+    b = 4
+    pool = torch.randn(6, GLA_H, DK, DV, generator=g)
+    gla_decode_nki.gla_decode_nki(
+        torch.randn(b, GLA_H, DK, generator=g).bfloat16(), torch.randn(b, GLA_H, DK, generator=g).bfloat16(),
+        torch.randn(b, GLA_H, DV, generator=g).bfloat16(), torch.randn(GLA_H, DK, generator=g),
+        -torch.rand(GLA_H, generator=g), DK**-0.5, pool, torch.tensor([3, 0, 5, 1], dtype=torch.int32), simulate,
+    )  # fmt: skip
+    want = gla_decode_nki.gla_decode_cost(b)
+    _check("GLA step", _counts(nki.last_counters()), want, {"dma": "dma_bytes", "matmuls": "matmuls"})
+
+
+def _counts(c: object) -> dict[str, int]:
+    return {"dma": c.dma_bytes, "matmuls": c.matmul_instructions}
+
+
+def _row(kernel: str, shape: str, dma: int, dma_min: int, n_dma: int, n_mm: int, macs_by_rate: dict[str, int]) -> str:
+    t_hbm = dma / HBM_BYTES_PER_S
+    t_pe = sum(m / RATE[k] for k, m in macs_by_rate.items())
+    bound = "HBM" if t_hbm >= t_pe else "PE"
+    return (
+        f"| {kernel} | {shape} | {dma / 1e6:.2f} | {dma_min / 1e6:.2f} | {dma / dma_min:.3f} | {n_dma} | {n_mm} | "
+        f"{t_hbm * 1e6:.0f} | {t_pe * 1e6:.0f} | {max(t_hbm, t_pe) * 1e6:.0f} ({bound}) |"
+    )
+
+
+def table() -> list[str]:
+    rows = [
+        "| kernel | shape (per call) | DMA MB | minimum MB | ratio | DMA instr. | matmuls | HBM us | PE us | est. us |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for b in (1, 8, 32):
+        for ctx in (2048, 8192, 16384):
+            c = latent_decode_nki.latent_decode_cost([ctx] * b)
+            nt = latent_decode_nki.pick_bucket(ctx) // 128
+            # projections and scores on fp32 operands (q~ . c cancels, see the kernel), p^T C on bf16
+            macs = {"fp32": b * (2 * H * HD * R + nt * 128 * H * R), "bf16": b * nt * 128 * H * R}
+            assert sum(macs.values()) == c["matmul_macs"]
+            rows.append(
+                _row("latent decode", f"B={b}, ctx {ctx} (bucket {nt * 128})", c["dma_bytes"], c["dma_bytes_min"],
+                     c["dma_instructions"], c["matmul_instructions"], macs)
+            )  # fmt: skip
+    for t in (1, 8, 32):
+        active = round(EXPERTS * (1 - (1 - TOP_K / EXPERTS) ** t))  # expected distinct experts of t tokens
+        c = fp8_expert_nki.fp8_experts_cost(t, HIDDEN, INTER, active, min(EXPERTS, t * TOP_K))
+        rows.append(
+            _row("FP8 experts", f"T={t} tokens, {active} of {EXPERTS} experts active", c["dma_bytes"],
+                 c["min_dma_bytes"], c["dma_instructions"], c["matmul_instructions"], {"fp8": c["matmul_macs"]})
+        )  # fmt: skip
+    for b in (1, 8, 32, 64):
+        c = gla_decode_nki.gla_decode_cost(b)
+        macs = b * GLA_H * DK * DV * (1 + GLA_H)  # k v^T, and q^T S as a [dk, H] masked stationary per head
+        rows.append(
+            _row("GLA step", f"B={b}, one layer", c["dma_bytes"], c["dma_min_bytes"], c["dma_instructions"],
+                 c["matmuls"], {"fp32": macs})
+        )  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    verify()
+    print()
+    print("\n".join(table()))
