@@ -9,8 +9,8 @@ Who computes (VLLM_TRN_KERNELS, read at every call so a running engine can be sw
 - ``nki``: the NKI kernel, required (an error off a Neuron device).
 
 On device a kernel is called the way the Neuron PyTorch stack calls NKI: ``wrap_nki(kernel)[lnc](...)``
-(libtorch_neuronx_lite's torch.compile-traceable higher-order op, which carries the in-place aliasing
-of the cache and state writes).
+(the torch.compile-traceable higher-order op of vllm-neuron / libtorch_neuronx_lite, which carries the
+in-place aliasing of the cache and state writes).
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ Runner = Callable[[Any], Callable[..., Any]]
 
 
 def _device_runner(kernel: Any) -> Callable[..., Any]:
-    from libtorch_neuronx_lite.nki.nki_hop import wrap_nki  # type: ignore[import-not-found]
+    try:  # vllm-neuron's Beta models import it from here
+        from vllm_neuron.nki.nki_hop import wrap_nki  # type: ignore[import-not-found]
+    except ImportError:
+        from libtorch_neuronx_lite.nki.nki_hop import wrap_nki  # type: ignore[import-not-found]
 
     return wrap_nki(kernel)[1]
 

@@ -423,7 +423,7 @@ def latent_decode_cost(
 # torch path (CPU): tiled like the kernel, for one core's caches
 # ---------------------------------------------------------------------------------------------
 DECODE_TILE = 2048  # keys per tile of absorbed decode (rounded to whole cache blocks)
-_workspace: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_workspace: dict[tuple[torch.dtype, torch.device, bool], torch.Tensor] = {}
 
 
 def gather_blocks(blocks: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
@@ -434,7 +434,9 @@ def gather_blocks(blocks: torch.Tensor, block_ids: torch.Tensor, length: int) ->
     """
     w = blocks.shape[-1]
     n = block_ids.numel() * blocks.shape[1] * w
-    key = (blocks.dtype, blocks.device)
+    # One workspace per inference-mode state: a buffer made under vLLM's inference_mode is an inference
+    # tensor, which a later no_grad caller (or vice versa) may not write in place.
+    key = (blocks.dtype, blocks.device, torch.is_inference_mode_enabled())
     buf = _workspace.get(key)
     if buf is None or buf.numel() < n:
         buf = _workspace[key] = torch.empty(n, dtype=blocks.dtype, device=blocks.device)

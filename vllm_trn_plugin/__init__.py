@@ -6,12 +6,37 @@ starts (API server, engine core, workers), so it is idempotent and imports nothi
 
 from __future__ import annotations
 
+import os
+
 ARCHITECTURES = {
     "LaplaceForCausalLM": "vllm_trn_plugin.model_executors.laplace:LaplaceForCausalLM",
     "TrinityMLAForCausalLM": "vllm_trn_plugin.model_executors.trinity_mla:TrinityMLAForCausalLM",
 }
 
 _registered = False
+
+# Under vllm-neuron's "Beta" runner (vLLM 0.24, Trn2/Trn3) the runner, not vLLM, drives the model through its
+# own contract (from_configs / get_kv_spec / bind_kv_cache / load_weights / forward with attn_metadata): the
+# same architecture names then resolve to the contract adapters (vllm_trn_plugin/neuron, docs/trainium.md).
+NEURON_ENTRY = "VLLM_TRN_NEURON_ENTRY"  # auto | beta | vllm
+
+
+def _beta_runner_active() -> bool:
+    mode = os.environ.get(NEURON_ENTRY, "auto")
+    if mode not in ("auto", "beta", "vllm"):
+        raise ValueError(f"{NEURON_ENTRY}={mode!r}: expected auto, beta or vllm")
+    if mode != "auto":
+        return mode == "beta"
+    import importlib.util
+
+    try:  # the Beta generation ships its own runner package; the NxD generation does not
+        if importlib.util.find_spec("vllm_neuron.vllm.worker") is None:
+            return False
+    except Exception:  # not installed, or PyPI's placeholder (which refuses to import)
+        return False
+    from vllm.platforms import current_platform
+
+    return getattr(current_platform, "device_type", "") == "neuron"
 
 
 def _init_cpu_amx() -> None:
@@ -38,7 +63,12 @@ def register() -> None:
     _init_cpu_amx()
     AutoConfig.register("laplace", LaplaceConfig, exist_ok=True)
     supported = set(ModelRegistry.get_supported_archs())
-    for arch, path in ARCHITECTURES.items():
+    architectures = ARCHITECTURES
+    if _beta_runner_active():
+        from vllm_trn_plugin.neuron import BETA_ARCHITECTURES
+
+        architectures = BETA_ARCHITECTURES
+    for arch, path in architectures.items():
         if arch not in supported:
             ModelRegistry.register_model(arch, path)
     # One state page per sequence, sized to max_model_len (vLLM fills this only for the state

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# One vLLM engine (one replica) of MLA-Trinity or Laplace 3B on trn2.48xlarge, through vllm-neuron.
+#
+#   deploy/trn2/serve-replica.sh laplace-3b  /models/laplace-3b          # port $PORT (default 8000)
+#   deploy/trn2/serve-replica.sh mla-trinity /models/mla-trinity-packed
+#   deploy/trn2/serve-replica.sh laplace-3b /models/laplace-3b --print   # print the command, run nothing
+#
+# NOT RUN HERE: these machines have no Trainium and vllm-neuron only installs from AWS's Neuron
+# repository; the arguments are checked against the installed vLLM's `vllm serve` parser by
+# tests/test_bench.py (flag names and values, not behaviour). Figures and assumptions:
+# docs/serving-trn2.md. Which cores the engine uses is the caller's business: the Neuron runtime reads
+# NEURON_RT_VISIBLE_CORES (set by launch-instance.sh, or by the Neuron device plugin in Kubernetes).
+#
+# Per instance (16 Trainium2 chips = 64 logical NeuronCores of 24 GiB at LNC=2):
+#   laplace-3b : 64 engines x 1 core, 20 sequences each (source: 1,280 sequences, 11,544 output tok/s)
+#   mla-trinity: 32 replicas x 2 cores (tensor parallel 2), packed MXFP4 checkpoint expanded to FP8
+# Extra arguments after the checkpoint are passed to `vllm serve` unchanged (they override these).
+set -euo pipefail
+
+model=${1:?usage: serve-replica.sh laplace-3b|mla-trinity CHECKPOINT [vllm serve args...] [--print]}
+ckpt=${2:?checkpoint directory}
+shift 2
+print=0
+extra=()
+for a in "$@"; do
+    if [[ $a == --print ]]; then print=1; else extra+=("$a"); fi
+done
+
+common=(
+    --host 0.0.0.0 --port "${PORT:-8000}"
+    --dtype bfloat16
+    # Every request pays its full prefill: what the source figures measure, and for Laplace there is
+    # nothing to share (one recurrent state page per sequence).
+    --no-enable-prefix-caching
+    --served-model-name "${SERVED_NAME:-$model}"
+)
+
+case $model in
+laplace-3b)
+    # Attention-free: no KV cache, a fixed 28.75 MB fp32 state page per sequence, so no FP8 KV cache and
+    # no context-length buckets (a decode step is O(1) in context). 20 sequences per core as in the
+    # source; decode widths padded to a fixed set compiled at warm-up (each new width costs ~11 s on
+    # first use otherwise); prefill in 128-token chunks up to a 2,048-token window (16 chunks).
+    args=(
+        --tensor-parallel-size 1
+        --max-model-len 8448
+        --max-num-seqs 20
+        --max-num-batched-tokens 2048
+        --num-gpu-blocks-override 24
+        --additional-config '{"neuron_config": {"num_seqs_buckets": [1, 2, 4, 8, 16, 20], "num_batched_tokens_buckets": [128, 256, 512, 1024, 2048]}}'
+    )
+    ;;
+mla-trinity)
+    # 2 logical cores (the compressed model fits in 2 x 24 GiB; 32 replicas per instance). Decode walks
+    # the latent cache over a loop fixed per context bucket: 2,304 / 4,352 / 8,448 / 16,640 tokens
+    # (prompts of 2k/4k/8k/16k plus 256 output tokens); the last is max_model_len itself.
+    # --kv-cache-dtype fp8: the plugin keeps the FP8 cache on the sliding-window layers and the 256-wide
+    # latent in bf16 (FP8 latent decode is blocked on device, see docs/serving-trn2.md).
+    args=(
+        --tensor-parallel-size 2
+        --max-model-len 16640
+        --max-num-seqs 8
+        --max-num-batched-tokens 2048
+        --kv-cache-dtype fp8
+        --additional-config '{"neuron_config": {"num_seqs_buckets": [1, 2, 4, 8], "num_batched_tokens_buckets": [512, 1024, 2048], "decode_context_length_buckets": [2304, 4352, 8448]}}'
+    )
+    ;;
+*)
+    echo "unknown model $model (laplace-3b or mla-trinity)" >&2
+    exit 2
+    ;;
+esac
+
+cmd=(vllm serve "$ckpt" "${common[@]}" "${args[@]}" "${extra[@]}")
+if ((print)); then
+    printf '%q ' "${cmd[@]}"
+    echo
+    exit 0
+fi
+# The compiled graphs (one per bucket) are shared by every replica of the instance: compile once.
+export NEURON_COMPILED_ARTIFACTS=${NEURON_COMPILED_ARTIFACTS:-/var/cache/neuron/$model}
+exec "${cmd[@]}"

@@ -1,0 +1,363 @@
+"""`vllm-trn bench`: statistics against numpy, the arrival processes and length distributions, the load
+driver against a scripted streaming server (exact concurrency, batches, side-by-side order), and one
+end-to-end sweep against the session's real `vllm-trn serve` of the demo Laplace checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import random
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vllm_trn_plugin.bench import build_parser, run_bench
+from vllm_trn_plugin.bench.client import RequestResult, Target
+from vllm_trn_plugin.bench.report import describe, percentile, ratios, summarize
+from vllm_trn_plugin.bench.runner import Load, run_point
+from vllm_trn_plugin.bench.workload import (
+    LengthDist,
+    dataset_requests,
+    fixed_batches,
+    poisson_arrivals,
+    random_requests,
+)
+
+# ---------------------------------------------------------------------------------------------------
+# Statistics
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 100, 1001])
+def test_percentiles_equal_numpy(n: int) -> None:
+    rng = np.random.default_rng(n)
+    values = rng.lognormal(3.0, 1.0, n).tolist()  # skewed, like latencies
+    for p in [0, 1, 25, 50, 90, 95, 99, 99.9, 100]:
+        assert percentile(values, p) == pytest.approx(np.percentile(values, p), rel=1e-12, abs=1e-12)
+    d = describe(values)
+    assert d["mean"] == pytest.approx(np.mean(values), rel=1e-12)
+    assert d["std"] == pytest.approx(np.std(values), rel=1e-9, abs=1e-12)
+    assert (d["min"], d["max"], d["n"]) == (min(values), max(values), n)
+
+
+def test_summary_of_synthetic_timings_equals_numpy() -> None:
+    rng = np.random.default_rng(0)
+    results, ttft, tpot, itl, e2e, out_tok = [], [], [], [], [], 0
+    for i in range(40):
+        n_out = int(rng.integers(1, 30))
+        t_first = float(rng.uniform(0.01, 0.5))
+        gaps = rng.exponential(0.02, n_out - 1).tolist()
+        lat = t_first + sum(gaps)
+        r = RequestResult(i, "A", ok=True, ttft=t_first, latency=lat, itl=gaps, chunks=n_out, output_tokens=n_out)
+        r.prompt_tokens = 10
+        results.append(r)
+        ttft.append(t_first * 1e3)
+        e2e.append(lat * 1e3)
+        itl += [g * 1e3 for g in gaps]
+        if n_out > 1:
+            tpot.append((lat - t_first) / (n_out - 1) * 1e3)
+        out_tok += n_out
+    results.append(RequestResult(40, "A", ok=False, error="HTTP 400: bad"))
+    s = summarize(results, duration_s=8.0)
+    assert (s["requests"], s["completed"], s["failed"]) == (41, 40, 1)
+    assert s["errors"] == {"HTTP 400: bad": 1}
+    assert s["output_tokens"] == out_tok and s["input_tokens"] == 400
+    assert s["output_throughput"] == pytest.approx(out_tok / 8.0)
+    assert s["request_throughput"] == pytest.approx(40 / 8.0)
+    assert s["total_token_throughput"] == pytest.approx((out_tok + 400) / 8.0)
+    for key, ref in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl), ("e2el_ms", e2e)):
+        assert s[key]["n"] == len(ref)
+        assert s[key]["mean"] == pytest.approx(np.mean(ref), rel=1e-9)
+        assert s[key]["std"] == pytest.approx(np.std(ref), rel=1e-9)
+        for p in (50, 90, 95, 99):
+            assert s[key][f"p{p}"] == pytest.approx(np.percentile(ref, p), rel=1e-9)
+    # B twice as slow, same counts: throughput ratio 1/2, every latency ratio 2.
+    slow = [
+        RequestResult(r.index, "B", r.ok, r.error, 0, 2 * r.ttft, 2 * r.latency, [2 * g for g in r.itl], r.chunks)
+        for r in results
+    ]
+    for r, orig in zip(slow, results):
+        r.output_tokens, r.prompt_tokens = orig.output_tokens, orig.prompt_tokens
+    q = ratios(summarize(slow, 16.0), s)
+    assert q["output_throughput"] == pytest.approx(0.5) and q["request_throughput"] == pytest.approx(0.5)
+    assert all(v == pytest.approx(2.0) for k, v in q.items() if k.endswith(("_p50", "_p99", "_mean")))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Arrivals and lengths
+
+
+def test_poisson_arrivals_have_the_rate_and_poisson_counts() -> None:
+    rate, n = 4.0, 40000
+    for exact in (False, True):
+        t = np.array(poisson_arrivals(n, rate, random.Random(1), exact_total=exact))
+        gaps = np.diff(t, prepend=0.0)
+        assert np.all(gaps >= 0)
+        se = (1 / rate) / np.sqrt(n)
+        assert abs(gaps.mean() - 1 / rate) < (1e-12 if exact else 4 * se)  # mean rate (exact: by construction)
+        assert gaps.std() / gaps.mean() == pytest.approx(1.0, abs=0.03)  # exponential gaps: CV 1
+        counts = np.bincount(t.astype(int))[:-1]  # arrivals per whole second
+        assert counts.var() / counts.mean() == pytest.approx(1.0, abs=0.1)  # Poisson counts: dispersion 1
+    assert poisson_arrivals(n, rate, random.Random(1))[-1] == pytest.approx(n / rate)
+    g = np.diff(poisson_arrivals(n, rate, random.Random(2), burstiness=4.0, exact_total=False))
+    assert abs(g.mean() - 1 / rate) < 4 * se / 2
+    assert g.std() / g.mean() == pytest.approx(0.5, abs=0.02)  # Gamma(4): CV 1/sqrt(4)
+    assert poisson_arrivals(5, float("inf"), random.Random(0)) == [0.0] * 5
+
+
+def test_fixed_batches() -> None:
+    assert fixed_batches(10, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert fixed_batches(3, 8) == [[0, 1, 2]]
+    assert sum(fixed_batches(1000, 7), []) == list(range(1000))
+    with pytest.raises(ValueError):
+        fixed_batches(3, 0)
+
+
+def test_length_distributions(tmp_path: Path) -> None:
+    rng = random.Random(0)
+    assert LengthDist.parse("96").sample(3, rng) == [96, 96, 96] == LengthDist.parse("fixed:96").sample(3, rng)
+    u = np.array(LengthDist.parse("uniform:10-20").sample(30000, rng))
+    assert u.min() == 10 and u.max() == 20 and set(u.tolist()) == set(range(10, 21))
+    assert u.mean() == pytest.approx(15.0, abs=0.1)
+    assert np.bincount(u)[10:].min() > 30000 / 11 * 0.9  # every value about equally likely
+    f = tmp_path / "lens.txt"
+    f.write_text("5 5 5 40\n")
+    s = np.array(LengthDist.parse(f"file:{f}").sample(20000, rng))
+    assert set(s.tolist()) == {5, 40} and (s == 40).mean() == pytest.approx(0.25, abs=0.02)
+    (tmp_path / "lens.json").write_text("[7, 9]")
+    assert set(LengthDist.parse(f"file:{tmp_path / 'lens.json'}").sample(100, rng)) == {7, 9}
+    for bad in ["uniform:5", "uniform:9-3", "0", "gauss:3"]:
+        with pytest.raises(ValueError):
+            LengthDist.parse(bad)
+
+
+def test_requests_have_the_drawn_lengths(tmp_path: Path) -> None:
+    reqs = random_requests(50, LengthDist.parse("uniform:3-9"), LengthDist.parse("uniform:1-4"), seed=3)
+    assert all(3 <= len(r.prompt) == r.prompt_len <= 9 and 1 <= r.max_tokens <= 4 for r in reqs)
+    assert all(0 <= t < 256 for r in reqs for t in r.prompt)
+    again = random_requests(50, LengthDist.parse("uniform:3-9"), LengthDist.parse("uniform:1-4"), seed=3)
+    assert [r.prompt for r in reqs] == [r.prompt for r in again]  # reproducible from the seed
+    text = random_requests(4, LengthDist.parse("6"), LengthDist.parse("2"), text=True)
+    assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == 6 for r in text)
+    ds = tmp_path / "d.jsonl"
+    ds.write_text('{"prompt": "hi there", "output_tokens": 3}\n{"prompt": [1, 2, 3], "output_tokens": 5}\n')
+    rows = dataset_requests(ds, 5)
+    assert [(r.prompt, r.max_tokens, r.prompt_len) for r in rows[:2]] == [("hi there", 3, None), ([1, 2, 3], 5, 3)]
+    assert rows[4].prompt == "hi there" and dataset_requests(ds, 2, LengthDist.parse("9"))[1].max_tokens == 9
+
+
+# ---------------------------------------------------------------------------------------------------
+# The load driver against a scripted streaming server: what was in flight when.
+
+
+class ScriptedServer:
+    """An OpenAI-style streaming completions server: `max_tokens` chunks, `gap` s apart; records every
+    request's (model, prompt, start, end) and the most requests in flight per model."""
+
+    def __init__(self, gap: float = 0.01) -> None:
+        from aiohttp import web
+
+        self.gap, self.log, self.inflight, self.peak = gap, [], {}, {}
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        self.runner = web.AppRunner(app)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def serve() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.runner.setup())
+            self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+        started.wait(10)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def models(self, request):  # noqa: ANN001, ANN201
+        from aiohttp import web
+
+        return web.json_response({"data": [{"id": "scripted"}]})
+
+    async def completions(self, request):  # noqa: ANN001, ANN201
+        from aiohttp import web
+
+        body = await request.json()
+        model, start = body["model"], time.perf_counter()
+        self.inflight[model] = self.inflight.get(model, 0) + 1
+        self.peak[model] = max(self.peak.get(model, 0), self.inflight[model])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = body["max_tokens"]
+        for _ in range(n):
+            await asyncio.sleep(self.gap)
+            await resp.write(b'data: {"choices": [{"index": 0, "text": "x", "finish_reason": null}]}\n\n')
+        # Logged before the last bytes go out: the client may be done as soon as it reads [DONE].
+        self.inflight[model] -= 1
+        self.log.append((model, body["prompt"][0], start, time.perf_counter()))
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def scripted():  # noqa: ANN201
+    s = ScriptedServer()
+    yield s
+    s.close()
+
+
+def _specs(n: int, out: int = 4):  # noqa: ANN202
+    reqs = random_requests(n, LengthDist.parse("5"), LengthDist.parse(str(out)), seed=0)
+    for r in reqs:
+        r.prompt[0] = r.index  # the server logs which request it served
+    return reqs
+
+
+def test_concurrency_mode_keeps_exactly_c_in_flight(scripted: ScriptedServer) -> None:
+    scripted.log.clear(), scripted.peak.clear()
+    target = Target(scripted.url, "conc")
+    res = asyncio.run(run_point([target], _specs(12), Load("concurrency", 3), {}, progress=False))
+    rs = res.results["A"]
+    assert scripted.peak["conc"] == 3 and len(rs) == 12 and all(r.ok for r in rs)
+    assert all(r.chunks == 4 and r.output_tokens == 4 and r.prompt_tokens == 5 and len(r.itl) == 3 for r in rs)
+    assert all(r.ttft >= scripted.gap * 0.9 and r.latency >= 4 * scripted.gap * 0.9 for r in rs)
+
+
+def test_batch_mode_waits_for_the_whole_batch(scripted: ScriptedServer) -> None:
+    scripted.log.clear(), scripted.peak.clear()
+    target = Target(scripted.url, "batch")
+    asyncio.run(run_point([target], _specs(10), Load("batch", 4), {}, progress=False))
+    spans = {idx: (s, e) for _, idx, s, e in scripted.log}
+    assert scripted.peak["batch"] == 4
+    for prev, nxt in ([0, 1, 2, 3], [4, 5, 6, 7]), ([4, 5, 6, 7], [8, 9]):
+        assert min(spans[i][0] for i in nxt) >= max(spans[i][1] for i in prev)
+
+
+def test_rate_mode_spreads_the_arrivals(scripted: ScriptedServer) -> None:
+    scripted.log.clear()
+    load = Load("rate", 10.0)
+    res = asyncio.run(run_point([Target(scripted.url, "rate")], _specs(20, 1), load, {}, seed=5, progress=False))
+    starts = [r.start for r in res.results["A"]]
+    expected = poisson_arrivals(20, 10.0, random.Random(5))
+    assert expected[-1] == pytest.approx(2.0)
+    late = np.array(starts) - np.array(expected)
+    # Sent on schedule: never early, typically within a few ms (an event loop on a loaded 2-core machine
+    # can wake a request late now and then, so the bound is on the median).
+    assert late.min() > -0.005 and np.median(late) < 0.05
+    assert res.durations["A"] >= expected[-1]
+
+
+def test_side_by_side_pairs_and_blocks(scripted: ScriptedServer) -> None:
+    a, b = Target(scripted.url, "ma", label="A"), Target(scripted.url, "mb", label="B")
+    scripted.log.clear(), scripted.peak.clear()
+    res = asyncio.run(run_point([a, b], _specs(8), Load("concurrency", 2), {}, progress=False))
+    assert [r.index for r in res.results["A"]] == [r.index for r in res.results["B"]] == list(range(8))
+    assert scripted.peak == {"ma": 2, "mb": 2}  # each endpoint under the same load, at the same time
+    spans = {m: [(s, e) for mm, _, s, e in scripted.log if mm == m] for m in ("ma", "mb")}
+    assert any(s1 < e2 and s2 < e1 for s1, e1 in spans["ma"] for s2, e2 in spans["mb"])  # served together
+    scripted.log.clear()
+    res = asyncio.run(
+        run_point([a, b], _specs(8), Load("concurrency", 2), {}, interleave="blocks", block_size=2, progress=False)
+    )
+    order = [m for m, *_ in sorted(scripted.log, key=lambda x: x[2])]
+    blocks = [order[i] for i in range(0, 16, 2)]
+    assert blocks == ["ma", "mb", "mb", "ma", "ma", "mb", "mb", "ma"]  # A B B A ...
+    assert all(len(v) == 8 and all(r.ok for r in v) for v in res.results.values())
+
+
+def test_failed_requests_are_counted_not_raised(scripted: ScriptedServer) -> None:
+    dead = Target("http://127.0.0.1:9", "x")  # nothing listens on the discard port
+    res = asyncio.run(run_point([dead], _specs(3), Load("concurrency", 3), {}, progress=False, timeout_s=5))
+    s = summarize(res.results["A"], res.durations["A"])
+    assert (s["completed"], s["failed"]) == (0, 3) and s["errors"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# End to end against the real server
+
+
+@pytest.mark.vllm
+def test_sweep_against_vllm_serve(servers, tmp_path: Path) -> None:  # noqa: ANN001
+    server = servers.get("laplace")
+    out = tmp_path / "bench"
+    args = build_parser().parse_args(
+        ["--base-url", server.url, "--concurrency", "1,4", "--num-requests", "8", "--prompt-len", "uniform:16-48"]
+        + ["--output-len", "12", "--out", str(out), "--no-progress", "--seed", "7"]
+    )
+    payload = run_bench(args)
+    pts = payload["points"]
+    assert [p["load"] for p in pts] == ["concurrency 1", "concurrency 4"]
+    for p in pts:
+        s = p["summary"]
+        assert (s["completed"], s["failed"]) == (8, 0), s["errors"]
+        assert s["output_tokens"] == 8 * 12  # ignore_eos: exact lengths, counted by the server
+        assert s["streamed_fraction"] == 1.0 and s["mean_chunks_per_request"] > 2  # tokens arrived one by one
+        assert 0 < s["ttft_ms"]["p50"] <= s["e2el_ms"]["p50"] and 0 < s["tpot_ms"]["p50"] < s["e2el_ms"]["p50"]
+        assert s["itl_ms"]["n"] >= 8 and s["itl_ms"]["min"] >= 0
+        assert s["output_throughput"] == pytest.approx(s["output_tokens"] / s["duration_s"])
+    rows = list(csv.DictReader(open(out / "requests.csv")))
+    lens = [len(r.prompt) for r in random_requests(8, LengthDist.parse("uniform:16-48"), LengthDist.parse("12"), 7)]
+    assert [int(r["prompt_tokens"]) for r in rows[:8]] == lens  # the server saw the prompts we meant
+    assert all(int(r["output_tokens"]) == 12 and r["ok"] == "1" for r in rows)
+    for r in rows:  # a request's E2E latency is its TTFT plus its inter-token gaps
+        e2e = float(r["ttft_ms"]) + float(r["mean_itl_ms"]) * (int(r["chunks"]) - 1)
+        assert float(r["e2el_ms"]) == pytest.approx(e2e, rel=1e-3, abs=0.05)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["targets"][0]["model"] == server.model
+    assert len(list(csv.DictReader(open(out / "summary.csv")))) == 2
+    for png in ("latency.png", "e2e_latency.png", "throughput.png", "requests.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The trn2 recipes: every flag exists in `vllm serve` and the numbers obey vllm-neuron's bucket rules
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("model,cores", [("laplace-3b", 1), ("mla-trinity", 2)])
+def test_trn2_recipe_parses_as_vllm_serve(model: str, cores: int) -> None:
+    import shlex
+    import subprocess
+
+    from vllm_trn_plugin.cli import _ensure_vllm_version_lookup
+
+    _ensure_vllm_version_lookup()
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    script = Path(__file__).resolve().parents[1] / "deploy" / "trn2" / "serve-replica.sh"
+    line = subprocess.run([str(script), model, "/models/x", "--print"], capture_output=True, text=True, check=True)
+    argv = shlex.split(line.stdout)
+    assert argv[:2] == ["vllm", "serve"]
+    parser = FlexibleArgumentParser()
+    ServeSubcommand().subparser_init(parser.add_subparsers())
+    ns = parser.parse_args(argv[1:])  # unknown or misspelt flags fail here
+    assert ns.model_tag == "/models/x" and ns.tensor_parallel_size == cores and 64 // cores in (32, 64)
+    assert ns.enable_prefix_caching is False
+    nc = ns.additional_config["neuron_config"]
+    # vllm-neuron: the largest decode-width bucket is max_num_seqs, the largest prefill bucket is
+    # max_num_batched_tokens; context buckets ascend, stay below max_model_len, are multiples of 128.
+    assert max(nc["num_seqs_buckets"]) == ns.max_num_seqs and nc["num_seqs_buckets"] == sorted(nc["num_seqs_buckets"])
+    assert max(nc["num_batched_tokens_buckets"]) == ns.max_num_batched_tokens
+    ctx = nc.get("decode_context_length_buckets", [])
+    assert ctx == sorted(ctx) and all(c < ns.max_model_len and c % 128 == 0 for c in ctx)
+    if model == "mla-trinity":
+        assert ns.kv_cache_dtype == "fp8" and ctx + [ns.max_model_len] == [2304, 4352, 8448, 16640]
+    else:
+        assert ns.max_num_seqs == 20 and ns.kv_cache_dtype == "auto"  # no KV cache: fp32 state pages
