@@ -60,6 +60,19 @@ def greedy_params(max_tokens: int, logprobs: int = 2):  # noqa: ANN201
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, ignore_eos=True)
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
+    """Wrap module.name so its calls are counted (calls[0]): proves a path really ran."""
+    calls = [0]
+    original = getattr(module, name)
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 def token_prompts(prompts: list[list[int]]) -> list[dict]:
     return [{"prompt_token_ids": p} for p in prompts]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import greedy_params, random_prompts, token_prompts
+from tests.conftest import count_calls, greedy_params, random_prompts, token_prompts
 
 pytestmark = pytest.mark.vllm
 
@@ -27,18 +27,6 @@ def _generate(llm: Any, prompts: list[list[int]]) -> list[tuple[list[int], list[
         (list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
         for o in outs
     ]
-
-
-def _count_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[int]:
-    calls = [0]
-    original = getattr(module, name)
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
 
 
 def _compare(llm: Any, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch, tol: float) -> float:
@@ -73,7 +61,7 @@ def test_laplace_gla_kernel_in_vllm(laplace_ckpt: Path, in_process: None, monkey
         kv_cache_memory_bytes=64 << 20,
     )
     try:
-        calls = _count_calls(monkeypatch, gla_decode_nki, "gla_decode_nki")
+        calls = count_calls(monkeypatch, gla_decode_nki, "gla_decode_nki")
         prompts = random_prompts(5, [1, 9, 40, 3, 130], seed=31)
         worst = _compare(llm, prompts, monkeypatch, tol=1e-4)
     finally:
@@ -104,8 +92,8 @@ def test_trinity_latent_and_fp8_expert_kernels_in_vllm(
         kv_cache_memory_bytes=128 << 20,
     )
     try:
-        latent = _count_calls(monkeypatch, latent_decode_nki, "latent_decode_nki")
-        experts = _count_calls(monkeypatch, fp8_expert_nki, "fp8_experts_nki")
+        latent = count_calls(monkeypatch, latent_decode_nki, "latent_decode_nki")
+        experts = count_calls(monkeypatch, fp8_expert_nki, "fp8_experts_nki")
         prompts = random_prompts(4, [1, 9, 70, 3], seed=32)
         # FP8 activations turn the kernel's different fp32 accumulation order into occasional one-step FP8
         # flips (tests/test_packed_vllm.py measures the same with its float64 reference): logprobs move by up to

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import greedy_params, random_prompts, token_prompts
+from tests.conftest import count_calls, greedy_params, random_prompts, token_prompts
 from vllm_trn_plugin.neuron.contract import NULL_BLOCK_ID, PAD_SLOT_ID, NeuronConfig
 
 pytestmark = pytest.mark.vllm
@@ -338,18 +338,6 @@ def worker() -> None:
         ps.destroy_distributed_environment()
 
 
-def _count_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[int]:
-    calls = [0]
-    original = getattr(module, name)
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
-
-
 @torch.inference_mode()  # the side stores the model allocates in its (inference-mode) forward
 def restore(runner: BetaRunner, saved: list[torch.Tensor]) -> None:
     for t, s in zip(runner.state_tensors(), saved):
@@ -362,7 +350,7 @@ def _emulate_check(monkeypatch: pytest.MonkeyPatch, counters: dict[str, tuple[An
 
     def check(runner: BetaRunner, kwargs: dict[str, Any], n: int) -> None:
         saved = [t.clone() for t in runner.state_tensors()]
-        calls = {k: _count_calls(monkeypatch, mod, fn) for k, (mod, fn) in counters.items()}
+        calls = {k: count_calls(monkeypatch, mod, fn) for k, (mod, fn) in counters.items()}
         monkeypatch.setenv("VLLM_TRN_KERNELS", "emulate")
         t0 = time.perf_counter()
         emulated = runner.model(**kwargs)
