@@ -84,6 +84,11 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["serve"]:
         # Everything after `serve` belongs to vLLM's own parser.
         return serve(argv[1:])
+    if argv[:1] == ["bench"]:
+        # The load generator has its own parser (and help); it does not import vLLM.
+        from vllm_trn_plugin.bench import main as bench_main
+
+        raise SystemExit(bench_main(argv[1:]))
     p = argparse.ArgumentParser(prog="vllm-trn", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="write a small random checkpoint with an offline tokenizer")
@@ -99,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     k.add_argument("dst")
     k.add_argument("--keep-lm-head", action="store_true", help="leave lm_head unquantized")
     sub.add_parser("serve", help="vllm serve DIR [vLLM options]: the OpenAI-compatible server", add_help=False)
+    sub.add_parser("bench", help="load-test OpenAI-compatible endpoints (vllm-trn bench --help)", add_help=False)
     args = p.parse_args(argv)
     {"demo": demo, "pack": pack}[args.cmd](args)
 
