@@ -1,0 +1,78 @@
+"""Reliability on the session's `vllm-trn serve` servers (conftest `servers`: the bf16 demo checkpoints,
+eager, 4096-token context, vLLM's CPU defaults of 128 sequences and 2048 batched tokens): a CI-sized
+run of `deploy/soak.py` (the full soak and the reasoning behind each check are there).
+
+- One wave of 256 streaming requests opened at once (vLLM runs 128 and queues the rest), a quarter of the
+  clients disconnecting after a random number of tokens (1 to 6 of 8): every other stream complete and
+  token for token equal to its prompt served alone (greedy; a pick between two logprobs within one bf16
+  tie tolerance counts as a tie, at most 5% of streams), the disconnected ones a prefix of it, the pool
+  empty and nothing running or waiting after the wave, the requests cut short on the server, the server's
+  resident memory recorded before and after, and a probe served alone still equal to its reference.
+- The malformed-input sweep (`soak.malformed_cases`, less the one case needing a 4k-token prefill): no
+  5xx, no hang (60 s timeouts), 4xx for every invalid request vLLM does not accept by design; then
+  /health 200 and a normal request equal to the same request before the sweep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+pytestmark = pytest.mark.vllm
+
+_spec = importlib.util.spec_from_file_location("soak", Path(__file__).resolve().parents[1] / "deploy" / "soak.py")
+soak = importlib.util.module_from_spec(_spec)
+sys.modules["soak"] = soak
+_spec.loader.exec_module(soak)
+
+WAVE = soak.SoakConfig(
+    waves=1,
+    concurrency=256,
+    disconnect=0.25,
+    prompts=16,
+    prompt_len="uniform:4-40",  # short: MLA-Trinity's bf16 prefill is slow on CPU (8-160 took 190 s a wave)
+    output_len=8,
+    tie_tol=soak.TIE_TOL["bfloat16"],  # the session servers serve the bf16 demo checkpoints
+    sweep=False,
+    seed=11,
+)
+
+
+@pytest.fixture(scope="module", params=["laplace", "mla-trinity"])
+def server(request, servers):  # noqa: ANN001, ANN201
+    return servers.get(request.param)
+
+
+def test_wave_of_256_streams_with_disconnects(server) -> None:  # noqa: ANN001
+    rss_before = soak.resident_memory(server.proc.pid)["total"]
+    r = soak.soak(server.url, server.model, server.proc.pid, WAVE, log=lambda _: None)
+    print("\n" + soak.format_report(r))
+    failed = {name: c["detail"] for name, c in r["checks"].items() if not c["ok"]}
+    assert not failed, failed
+    (w,) = r["waves"]
+    assert w["streams"] == 256 and w["peak_in_flight"] == 256
+    assert w["planned_disconnects"] == 64 and w["disconnected"] >= 48  # a few may finish before closing
+    assert w["completed"] + w["disconnected"] == 256
+    assert w["server_peak"]["in_server"] > 128  # vLLM held more requests than it runs at once (128)
+    # One wave cannot show a trend (deploy/soak.py judges that over waves); it must not balloon either.
+    assert w["rss_total"] < 1.5 * rss_before, (w["rss_total"], rss_before)
+    assert server.proc.poll() is None
+
+
+def test_malformed_sweep_no_5xx_and_server_still_correct(server) -> None:  # noqa: ANN001
+    target = soak.Target(server.url, server.model)
+    (prompt,) = soak.soak_prompts(1, "40", 8, seed=5)
+    (before,) = asyncio.run(soak.serve_alone(target, [prompt]))
+    cases = [c for c in soak.malformed_cases() if not c.slow]
+    results = soak.run_sweep(server.url, server.model, cases, timeout=60)
+    bad = [(r["name"], r["status"], r.get("stream_error_code"), r["answer"][:160]) for r in results if not r["ok"]]
+    assert not bad, bad
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200
+    (after,) = asyncio.run(soak.serve_alone(target, [prompt]))
+    assert after.tokens == before.tokens and len(after.tokens) == 8
+    assert server.proc.poll() is None
