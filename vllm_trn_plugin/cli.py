@@ -79,6 +79,62 @@ def pack(args: argparse.Namespace) -> None:
     print(f"note: {report.note}")
 
 
+def convert_mla(args: argparse.Namespace) -> None:
+    from vllm_trn_plugin.convert_mla import convert_mla as convert
+
+    report = convert(
+        args.src,
+        args.dst,
+        latent=args.latent,
+        calib=args.calib,
+        calib_tokens=args.calib_tokens,
+        seq_len=args.seq_len,
+        damp=args.damp,
+    )
+    for f in report.layers:
+        print(
+            f"layer {f.layer}: whitened energy kept {f.energy_kept:.4f}, key error {f.key_error:.2e}, "
+            f"value error {f.value_error:.2e} (relative, calibration data)"
+        )
+    print(
+        f"wrote {report.dst} (kv_lora_rank {report.latent}, {report.calib_tokens} calibration tokens) "
+        f"in {report.seconds:.0f} s; serve it with: vllm-trn serve {report.dst}"
+    )
+
+
+def quantize(args: argparse.Namespace) -> None:
+    from vllm_trn_plugin.quantize import QuantizeOptions
+    from vllm_trn_plugin.quantize import quantize as run
+
+    opts = QuantizeOptions(
+        rtn_threshold=args.rtn_threshold,
+        block=args.block,
+        damp=args.damp,
+        act_order=not args.no_act_order,
+        hessian_scales=not args.no_hessian_scales,
+        bias_correction=not args.no_bias_correction,
+        fp8_activations=not args.no_fp8_activations,
+        expert_batch=args.expert_batch,
+        measure=args.measure,
+    )
+    report = run(
+        args.src,
+        args.dst,
+        calib=args.calib,
+        calib_tokens=args.calib_tokens,
+        seq_len=args.seq_len,
+        options=opts,
+        lm_head=not args.keep_lm_head,
+    )
+    for layer, err in report.layer_error.items():
+        print(f"layer {layer}: MLP output error {err:.3e} (relative mean square vs unquantized, calibration data)")
+    print(
+        f"wrote {report.dst}: {len(report.gptq)} MXFP4 matrices by GPTQ, {len(report.rtn)} by round-to-nearest "
+        f"(experts under {opts.rtn_threshold} calibration tokens), FP8 {report.fp8 or 'none'}, "
+        f"{report.calib_tokens} calibration tokens, {report.seconds:.0f} s"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
@@ -103,10 +159,35 @@ def main(argv: list[str] | None = None) -> None:
     k.add_argument("src")
     k.add_argument("dst")
     k.add_argument("--keep-lm-head", action="store_true", help="leave lm_head unquantized")
+    calib_help = "calibration text (tokenized with SRC's tokenizer) or token file (.json/.npy/.pt)"
+    c = sub.add_parser("convert-mla", help="AFMoE (Trinity) -> MLA-Trinity: whitened joint SVD + refit (latent cache)")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--latent", type=int, default=256, help="kv_lora_rank, the cached latent width (default 256)")
+    c.add_argument("--calib", required=True, help=calib_help)
+    c.add_argument("--calib-tokens", type=int, default=65536)
+    c.add_argument("--seq-len", type=int, default=2048)
+    c.add_argument("--damp", type=float, default=0.01, help="whitening damping, relative to mean(diag C)")
+    q = sub.add_parser("quantize", help="MXFP4 GPTQ + bias correction, FP8 LM head, in the packed format")
+    q.add_argument("src")
+    q.add_argument("dst")
+    q.add_argument("--calib", required=True, help=calib_help)
+    q.add_argument("--calib-tokens", type=int, default=262144)
+    q.add_argument("--seq-len", type=int, default=2048)
+    q.add_argument("--rtn-threshold", type=int, default=16384, help="experts with fewer calibration tokens get RTN")
+    q.add_argument("--block", type=int, default=128, help="GPTQ block (columns)")
+    q.add_argument("--damp", type=float, default=0.01, help="GPTQ damping, relative to mean(diag H)")
+    q.add_argument("--expert-batch", type=int, default=16, help="routed experts per batched GPTQ solve")
+    q.add_argument("--no-act-order", action="store_true")
+    q.add_argument("--no-hessian-scales", action="store_true", help="RTN block exponents instead")
+    q.add_argument("--no-bias-correction", action="store_true")
+    q.add_argument("--no-fp8-activations", action="store_true", help="calibrate on unrounded activations")
+    q.add_argument("--keep-lm-head", action="store_true", help="leave lm_head unquantized")
+    q.add_argument("--measure", action="store_true", help="print each layer's MLP output error (costs a forward)")
     sub.add_parser("serve", help="vllm serve DIR [vLLM options]: the OpenAI-compatible server", add_help=False)
     sub.add_parser("bench", help="load-test OpenAI-compatible endpoints (vllm-trn bench --help)", add_help=False)
     args = p.parse_args(argv)
-    {"demo": demo, "pack": pack}[args.cmd](args)
+    {"demo": demo, "pack": pack, "convert-mla": convert_mla, "quantize": quantize}[args.cmd](args)
 
 
 if __name__ == "__main__":

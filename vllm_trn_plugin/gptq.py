@@ -1,0 +1,228 @@
+"""MXFP4 GPTQ: error feedback, activation order and Hessian-weighted block exponents, batched over experts.
+
+A weight matrix W [out, in] whose inputs x have the (uncentred) second moment H = sum_n x_n x_n^T
+is quantized to Q minimising the layer output error sum_n ||(W - Q) x_n||^2 = tr((W - Q) H (W - Q)^T).
+
+MXFP4 values are c * 2^E: c an E2M1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), one
+exponent E per block of 32 consecutive inputs of a row (`loaders/mxfp4.py`).
+
+1. Block exponents (fixed before the error feedback, since a block's columns are spread over the
+   activation order). Round-to-nearest takes E0 = floor(log2(amax)) - 2 (the block's largest value
+   lands in [4, 8), values over 6 saturate). Hessian-weighted: each block tries E0 - 1, E0, E0 + 1
+   and keeps the one whose RTN error e (32 values) minimises e^T H_bb e, H_bb the block's 32 x 32
+   diagonal block of H: a smaller exponent trades clipping of the largest values for finer steps
+   everywhere else, a larger one the reverse, and which wins depends on how much the inputs of
+   those columns matter.
+2. Loadability: the exact MXFP4 -> FP8 expansion needs every row's nonzero block exponents within
+   13 octaves (`MAX_ROW_SPREAD`), so every exponent is raised to at least the row's largest minus
+   13 (such a far block then rounds most of its tiny values to 0; a block that is all zero adds no
+   spread). All-zero blocks take the row's largest exponent, as `quantize_rtn` does.
+3. GPTQ (Frantar et al. 2022): H is damped (H + damp * mean(diag H) * I; inputs never seen get
+   H_ii = 1 and their weights are zeroed), columns are permuted to descending diag(H) (activation
+   order: the inputs that matter most are rounded first, while many columns remain to absorb
+   their error), U = the upper Cholesky factor of H^-1; column j is rounded at its fixed exponent and
+   its error (w_j - q_j) / U_jj is fed into the columns not yet rounded through row j of U, lazily
+   in blocks of `block` columns (one matmul per block for the columns after it).
+
+Every function takes a batch of matrices [E, out, in] with their Hessians [E, in, in] (all experts
+of a layer, or a chunk of them) and runs one column loop for the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_trn_plugin.loaders.mxfp4 import BLOCK_SIZE, MAX_ROW_SPREAD
+
+__all__ = [
+    "E2M1_GRID",
+    "dequantize",
+    "gptq",
+    "hessian_exponents",
+    "limit_spread",
+    "pack_codes",
+    "quantize_codes",
+    "rtn_exponents",
+]
+
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E_MIN, _E_MAX = -127, 127  # E8M0 byte 0..254 (255 is NaN)
+_ZERO_BLOCK = -1000  # marks an all-zero block before it takes its row's exponent
+_CHUNK_ELEMS = 1 << 18  # weights per chunk of the exponent search
+
+
+def _magnitude_codes(a: torch.Tensor) -> torch.Tensor:
+    """|x| (on the grid, or to be rounded) -> E2M1 magnitude code 0..7, as `_round_magnitude` rounds it."""
+    v = _round_magnitude(a)
+    return torch.where(v < 2, v * 2, torch.where(v < 4, v + 2, v / 2 + 4)).to(torch.uint8)
+
+
+def _round_magnitude(a: torch.Tensor) -> torch.Tensor:
+    """|x| -> nearest E2M1 magnitude, ties to the even code, saturating at 6 (`quantize_rtn`'s rounding).
+
+    The grid's step is 0.5 below 2, 1 in [2, 4) and 2 from 4 on, and a value's code has the parity of its
+    multiple of the step (1.5 = 3 x 0.5 is code 3, 4 = 2 x 2 is code 6), so rounding a / step half to even is
+    rounding to the even code; the division by a power of two is exact.
+    """
+    step = (a >= 2).to(a.dtype).mul_(0.5).add_((a >= 4).to(a.dtype)).add_(0.5)  # 0.5, 1 or 2
+    return torch.round(a / step).mul_(step).clamp_(max=6.0)
+
+
+def _pow2(exp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2^exp for integer exp in [-127, 127], built from float32 bits (exact; 2^-127 is float32's subnormal 2^22 ulp)."""
+    e = exp.to(torch.int32)
+    bits = torch.where(e > -127, (e + 127) << 23, 1 << 22)
+    return bits.view(torch.float32).to(dtype)
+
+
+def _grid(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(E2M1_GRID, dtype=dtype, device=device)
+
+
+def round_to_grid(w: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
+    """Nearest MXFP4 value c * 2^exp of each w (exp broadcast to w's shape), in w's dtype."""
+    return _round_scaled(w, _pow2(exp, w.dtype))
+
+
+def _round_scaled(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    x = w / scale
+    return torch.copysign(_round_magnitude(x.abs()), x).mul_(scale)
+
+
+def rtn_exponents(w: torch.Tensor) -> torch.Tensor:
+    """E0 = floor(log2(amax)) - 2 per block [..., out, in/32] int16 (all-zero blocks marked, see `limit_spread`)."""
+    amax = w.reshape(*w.shape[:-1], -1, BLOCK_SIZE).abs().amax(-1)
+    _, ex = torch.frexp(amax)  # amax = m * 2^ex, m in [0.5, 1): floor(log2(amax)) = ex - 1, exact
+    e = (ex - 3).clamp(_E_MIN, _E_MAX).to(torch.int16)
+    return torch.where(amax > 0, e, _ZERO_BLOCK)
+
+
+def limit_spread(exp: torch.Tensor) -> torch.Tensor:
+    """Raise every block to >= row max - 13 (exactly expandable to FP8); all-zero blocks take the row max."""
+    zero = exp == _ZERO_BLOCK
+    top = torch.where(zero, _E_MIN - 1, exp).amax(-1, keepdim=True)
+    top = torch.where(top < _E_MIN, 0, top)  # an all-zero row: byte 127, as quantize_rtn
+    exp = torch.where(zero, top, exp.clamp(min=top - MAX_ROW_SPREAD))
+    return exp.clamp(_E_MIN, _E_MAX)
+
+
+def hessian_exponents(w: torch.Tensor, h: torch.Tensor, offsets: tuple[int, ...] = (-1, 0, 1)) -> torch.Tensor:
+    """Per block, E0 + offset minimising the RTN error e^T H_bb e (w [E, out, in], h [E, in, in]); marks zero blocks."""
+    e0 = rtn_exponents(w)
+    nb = w.shape[-1] // BLOCK_SIZE
+    best = e0.clone()
+    rows = max(1, _CHUNK_ELEMS // w.shape[-1])
+    for x in range(w.shape[0]):
+        hb = torch.stack(
+            [h[x, b * BLOCK_SIZE : (b + 1) * BLOCK_SIZE, b * BLOCK_SIZE : (b + 1) * BLOCK_SIZE] for b in range(nb)]
+        )
+        for r0 in range(0, w.shape[1], rows):  # row chunks that stay in cache across the candidates
+            wb = w[x, r0 : r0 + rows].reshape(-1, nb, BLOCK_SIZE)
+            base = e0[x, r0 : r0 + rows]
+            cost_best = None
+            for off in offsets:
+                cand = (base + off).clamp(_E_MIN, _E_MAX)
+                err = wb - _round_scaled(wb, _pow2(cand, w.dtype).unsqueeze(-1))  # [rows, nb, 32]
+                cost = (torch.einsum("obi,bij->obj", err, hb) * err).sum(-1)  # [rows, nb]
+                if cost_best is None:
+                    cost_best, pick = cost, cand
+                else:
+                    better = cost < cost_best
+                    cost_best, pick = torch.where(better, cost, cost_best), torch.where(better, cand, pick)
+            best[x, r0 : r0 + rows] = pick
+    return torch.where(e0 == _ZERO_BLOCK, _ZERO_BLOCK, best)
+
+
+def _expand(exp: torch.Tensor) -> torch.Tensor:
+    return exp.repeat_interleave(BLOCK_SIZE, -1)
+
+
+def gptq(
+    w: torch.Tensor,
+    h: torch.Tensor,
+    *,
+    block: int = 128,
+    damp: float = 0.01,
+    act_order: bool = True,
+    hessian_scales: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ to MXFP4 of a batch w [E, out, in] with input Hessians h [E, in, in] (module docstring).
+
+    A float32 `h` is damped in place (pass a copy to keep it). Returns (q [E, out, in] float32, the
+    dequantized MXFP4 values; exponents [E, out, in/32] int16).
+    """
+    E, n_out, n_in = w.shape
+    H = h if h.dtype == torch.float32 else h.float()
+    diag = torch.diagonal(H, dim1=-2, dim2=-1)
+    dead = diag == 0
+    diag[dead] = 1.0
+    W = w.float().masked_fill(dead[:, None, :], 0.0)
+    diag.add_(damp * diag.mean(-1, keepdim=True))
+    exp = limit_spread(hessian_exponents(W, H) if hessian_scales else rtn_exponents(W))
+
+    # Columns as rows ([E, in, out]): each step reads and updates contiguous memory.
+    Wt = W.transpose(1, 2).contiguous()
+    del W
+    col_exp = exp.transpose(1, 2).repeat_interleave(BLOCK_SIZE, 1)
+    # The factorisation wants H in processing order, reversed (see _inverse_cholesky_upper): one gather does both.
+    order = torch.argsort(diag, dim=-1, descending=True) if act_order else torch.arange(n_in).expand(E, n_in)
+    rows = order[:, :, None].expand(E, n_in, n_out)
+    if act_order:
+        Wt, col_exp = Wt.gather(1, rows), col_exp.gather(1, rows)
+    rev = order.flip(-1)
+    H = H.gather(-1, rev[:, None, :].expand(E, n_in, n_in)).gather(-2, rev[:, :, None].expand(E, n_in, n_in))
+    U = _inverse_cholesky_upper(H)
+    del H
+    Q = torch.empty_like(Wt)
+    for b0 in range(0, n_in, block):
+        b1 = min(b0 + block, n_in)
+        W1, U1 = Wt[:, b0:b1], U[:, b0:b1, b0:b1]
+        scale = _pow2(col_exp[:, b0:b1], Wt.dtype)
+        Err = torch.empty_like(W1)
+        for j in range(b1 - b0):
+            q = _round_scaled(W1[:, j], scale[:, j])
+            Q[:, b0 + j] = q
+            err = torch.sub(W1[:, j], q, out=Err[:, j]).div_(U1[:, j, j, None])
+            if j + 1 < b1 - b0:
+                W1[:, j + 1 :].baddbmm_(U1[:, j, j + 1 :, None], err[:, None, :], alpha=-1)
+        if b1 < n_in:
+            Wt[:, b1:].baddbmm_(U[:, b0:b1, b1:].transpose(1, 2), Err, alpha=-1)
+    if act_order:
+        Q = torch.empty_like(Q).scatter_(1, rows, Q)
+    return Q.transpose(1, 2).contiguous(), exp
+
+
+def _inverse_cholesky_upper(flipped: torch.Tensor) -> torch.Tensor:
+    """Upper Cholesky factor U of H^-1 (H^-1 = U^T U) from `flipped` = J H J (J the reversal permutation), batched;
+    more damping if H is numerically not positive definite.
+
+    With J H J = L L^T (lower Cholesky), H = R R^T for the upper triangular R = J L J, so H^-1 = (R^-1)^T R^-1
+    and U = R^-1 = J L^-1 J: one factorisation and one triangular inverse.
+    """
+    eye = torch.eye(flipped.shape[-1], dtype=flipped.dtype)
+    extra = 0.0
+    for _ in range(6):
+        L, info = torch.linalg.cholesky_ex(flipped if extra == 0 else flipped + extra * eye)
+        if not bool(info.any()):
+            return torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False).flip(-1, -2)
+        extra = max(extra * 10, 1e-4 * float(torch.diagonal(flipped, dim1=-2, dim2=-1).mean()))
+    raise ValueError("GPTQ: the input Hessian is not positive definite even after extra damping")
+
+
+def quantize_codes(q: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (sign bit 3; 0 as +0) of MXFP4 values q [..., out, in] at block exponents exp [..., out, in/32]."""
+    x = q / _pow2(_expand(exp), q.dtype)
+    mag = _magnitude_codes(x.abs())
+    if not torch.equal(_grid(q.dtype, q.device)[mag.long()], x.abs()):
+        raise ValueError("quantize_codes: values are not on the MXFP4 grid of their exponents")
+    return mag | (((x < 0) & (mag > 0)).to(torch.uint8) << 3)
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., in] -> bytes [..., in/2]: element 2j in the low nibble of byte j (compressed-tensors layout)."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def dequantize(codes: torch.Tensor, exp: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    vals = _grid(dtype, codes.device)[(codes & 7).long()] * torch.where(codes >= 8, -1.0, 1.0).to(dtype)
+    return vals * _pow2(_expand(exp), dtype)
