@@ -38,6 +38,26 @@ def laplace_ref(laplace_ckpt: Path) -> LaplaceReference:
     return LaplaceReference(laplace_ckpt)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():  # noqa: ANN201
+    """Small ops dominate the checkpoint-tool tests; on a shared 2-core host OpenMP's second thread mostly waits."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def read_safetensors_dir(d: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every *.safetensors file in d."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
 def random_prompts(n: int, lengths: list[int], seed: int, vocab: int = 256) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]

@@ -34,14 +34,7 @@ CALIB = torch.randint(0, 256, (16, SEQ), generator=torch.Generator().manual_seed
 HELD_OUT = torch.randint(0, 256, (4, SEQ), generator=torch.Generator().manual_seed(8))
 FULL_LAYER = 3
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Small ops dominate at this size; on a shared 2-core host OpenMP's second thread mostly waits.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _split_shards(ckpt: Path) -> None:

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.afmoe_reference import clear_model_cache, load_hf_model, make_random_afmoe
-from tests.conftest import random_prompts, token_prompts
+from tests.conftest import random_prompts, read_safetensors_dir, token_prompts
 from tests.packed_reference import fp8_activation, fp8_matmul, load_packed, patch_afmoe_fp8
 from vllm_trn_plugin.cli import main as cli
 from vllm_trn_plugin.convert_mla import convert_mla
@@ -37,14 +37,7 @@ HELD_OUT = torch.randint(0, 256, (4, SEQ), generator=torch.Generator().manual_se
 THRESHOLD = 1024  # tokens: between the least and the most used experts of this calibration set
 VOCAB = 259
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Small ops dominate at this size; on a shared 2-core host OpenMP's second thread mostly waits.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -171,12 +164,7 @@ def test_rtn_fallback_below_threshold(dirs: dict[str, Path]) -> None:
     the others are GPTQ (codes differ, bias nonzero). The default threshold is 16384."""
     assert QuantizeOptions().rtn_threshold == 16384
     weights, _ = load_packed(dirs["mla"])
-    from safetensors import safe_open
-
-    packed = {}
-    for f in dirs["gptq"].glob("*.safetensors"):
-        with safe_open(str(f), "pt") as h:
-            packed.update({k: h.get_tensor(k) for k in h.keys()})
+    packed = read_safetensors_dir(dirs["gptq"])
     fallback, solved = [], []
     for layer in (1, 2, 3):
         for e in range(8):
@@ -231,8 +219,6 @@ def test_token_chunks_change_nothing_but_rounding(
     byte, each layer's served MLP output error (computed from the chunked outputs) within 1%. GPTQ's codes are
     not compared: its error feedback carries any rounding difference in H forward (measured: ~9% of codes
     differ between the two summation orders, at equal error)."""
-    from safetensors import safe_open
-
     from vllm_trn_plugin import afmoe_layers
     from vllm_trn_plugin import quantize as quantize_mod
 
@@ -240,15 +226,7 @@ def test_token_chunks_change_nothing_but_rounding(
         monkeypatch.setattr(mod, "MLP_CHUNK_TOKENS", 1000)
     opts = QuantizeOptions(rtn_threshold=THRESHOLD, measure=True)
     report = quantize_mod.quantize(dirs["mla"], tmp_path / "chunked", calib=CALIB, options=opts, progress=False)
-
-    def tensors(d: Path) -> dict[str, torch.Tensor]:
-        out = {}
-        for f in d.glob("*.safetensors"):
-            with safe_open(str(f), "pt") as h:
-                out.update({k: h.get_tensor(k) for k in h.keys()})
-        return out
-
-    a, b = tensors(dirs["gptq"]), tensors(tmp_path / "chunked")
+    a, b = read_safetensors_dir(dirs["gptq"]), read_safetensors_dir(tmp_path / "chunked")
     assert a.keys() == b.keys()
     for m in report.rtn:
         assert torch.equal(a[m + ".weight_packed"], b[m + ".weight_packed"]), m

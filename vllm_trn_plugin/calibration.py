@@ -80,13 +80,20 @@ def _text_file(path: Path, tokenizer_dir: Path, need: int) -> torch.Tensor:
 
 
 def load_calibration(
-    path: str | Path, *, tokenizer_dir: str | Path, num_tokens: int, seq_len: int, vocab_size: int
+    path: str | Path | torch.Tensor, *, tokenizer_dir: str | Path, num_tokens: int, seq_len: int, vocab_size: int
 ) -> torch.Tensor:
     """Calibration sequences int64 [num_tokens // seq_len, seq_len] (format: the module docstring).
 
-    Raises ValueError naming the file when it cannot be read, holds non-integer or out-of-vocabulary
-    ids, or holds fewer tokens than asked for.
+    `path` may also be token ids already cut, an integer tensor [sequences, length] (used as it is, after the
+    vocabulary check). Raises ValueError naming the file when it cannot be read, holds non-integer or
+    out-of-vocabulary ids, or holds fewer tokens than asked for.
     """
+    if isinstance(path, torch.Tensor):
+        if path.dim() != 2 or path.is_floating_point() or path.is_complex() or path.dtype == torch.bool:
+            raise ValueError(
+                f"calibration tensor: expected integer ids [sequences, length], got {path.dtype} {list(path.shape)}"
+            )
+        return _check_vocab(path.long(), "calibration tensor", vocab_size)
     path = Path(path)
     if seq_len < 1 or num_tokens < seq_len:
         raise ValueError(f"calibration: --calib-tokens {num_tokens} must be at least --seq-len {seq_len} (>= 1)")
@@ -103,9 +110,13 @@ def load_calibration(
             f"{path}: holds {ids.numel()} calibration tokens, {need} needed ({n_seq} sequences of --seq-len "
             f"{seq_len}); pass a longer file or lower --calib-tokens"
         )
-    ids = ids[:need]
-    bad = (ids < 0) | (ids >= vocab_size)
+    return _check_vocab(ids[:need].view(n_seq, seq_len), str(path), vocab_size)
+
+
+def _check_vocab(ids: torch.Tensor, where: str, vocab_size: int) -> torch.Tensor:
+    flat = ids.reshape(-1)
+    bad = (flat < 0) | (flat >= vocab_size)
     if bool(bad.any()):
         pos = int(bad.nonzero()[0])
-        raise ValueError(f"{path}: token {pos} is id {int(ids[pos])}, outside the vocabulary [0, {vocab_size})")
-    return ids.view(n_seq, seq_len)
+        raise ValueError(f"{where}: token {pos} is id {int(flat[pos])}, outside the vocabulary [0, {vocab_size})")
+    return ids

@@ -241,12 +241,9 @@ def convert_mla(
         ckpt = Checkpoint(src, stack)
         geo = Geometry.from_config(ckpt.config, str(ckpt.config_path))
         _check_source(ckpt, geo, latent)
-        if isinstance(calib, torch.Tensor):
-            tokens = calib.long().view(calib.shape[0], -1)
-        else:
-            tokens = load_calibration(
-                calib, tokenizer_dir=src, num_tokens=calib_tokens, seq_len=seq_len, vocab_size=geo.vocab
-            )
+        tokens = load_calibration(
+            calib, tokenizer_dir=src, num_tokens=calib_tokens, seq_len=seq_len, vocab_size=geo.vocab
+        )
         _prepare_dst(src, dst)
         report = ConvertReport(dst=dst, latent=latent, calib_tokens=tokens.numel())
         writer = _ShardWriter(dst, shard_bytes)
