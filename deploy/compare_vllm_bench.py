@@ -179,6 +179,21 @@ def ours_value(s: dict, key: str, stat: str | None) -> float:
     return float(s[key] if stat is None else s[key][stat])
 
 
+def comparison_row(name: str, v: list[float], o: list[float]) -> dict[str, Any]:
+    """One metric's per-round values for vLLM's tool (v) and ours (o), their means, ratio and spreads."""
+    mv, mo = sum(v) / len(v), sum(o) / len(o)
+    return {
+        "metric": name,
+        "vllm": v,
+        "ours": o,
+        "vllm_mean": mv,
+        "ours_mean": mo,
+        "ratio": mo / mv if mv else math.nan,
+        "vllm_spread": spread(v),
+        "ours_spread": spread(o),
+    }
+
+
 def spread(xs: list[float]) -> float:
     m = sum(xs) / len(xs)
     return (max(xs) - min(xs)) / m if m else math.nan
@@ -210,58 +225,25 @@ def compare(a: argparse.Namespace, base_url: str) -> dict[str, Any]:
                 res["server"] = server_means(before, scrape(base_url))
                 runs[tool].append(res)
                 print(f"{load[0]} {load[1]:g} round {k}: {tool} {time.time() - t:.0f} s", flush=True)
-        rows = []
-        for key, stat, vkey in METRICS:
-            v = [float(r[vkey]) for r in runs["vllm"]]
-            o = [ours_value(r, key, stat) for r in runs["ours"]]
-            mv, mo = sum(v) / len(v), sum(o) / len(o)
-            name = key if stat is None else f"{key}_{stat}"
-            rows.append(
-                {
-                    "metric": name,
-                    "vllm": v,
-                    "ours": o,
-                    "vllm_mean": mv,
-                    "ours_mean": mo,
-                    "ratio": mo / mv if mv else math.nan,
-                    "vllm_spread": spread(v),
-                    "ours_spread": spread(o),
-                }
+        series = [
+            (
+                key if stat is None else f"{key}_{stat}",
+                [float(r[vkey]) for r in runs["vllm"]],
+                [ours_value(r, key, stat) for r in runs["ours"]],
             )
-        for key in SERVER_HISTOGRAMS:
-            v = [r["server"][key] for r in runs["vllm"]]
-            o = [r["server"][key] for r in runs["ours"]]
-            mv, mo = sum(v) / len(v), sum(o) / len(o)
-            rows.append(
-                {
-                    "metric": key,
-                    "vllm": v,
-                    "ours": o,
-                    "vllm_mean": mv,
-                    "ours_mean": mo,
-                    "ratio": mo / mv if mv else math.nan,
-                    "vllm_spread": spread(v),
-                    "ours_spread": spread(o),
-                }
-            )
+            for key, stat, vkey in METRICS
+        ]
+        series += [
+            (key, [r["server"][key] for r in runs["vllm"]], [r["server"][key] for r in runs["ours"]])
+            for key in SERVER_HISTOGRAMS
+        ]
+        rows = [comparison_row(name, v, o) for name, v, o in series]
         by = {r["metric"]: r for r in rows}
         for client, server in TOOL_VS_SERVER:
             # Per run, what the tool measured over what the server measured: noise cancels within a run.
             v = [c / sv for c, sv in zip(by[client]["vllm"], by[server]["vllm"])]
             o = [c / sv for c, sv in zip(by[client]["ours"], by[server]["ours"])]
-            mv, mo = sum(v) / len(v), sum(o) / len(o)
-            rows.append(
-                {
-                    "metric": f"{client[:-5]} tool/server",
-                    "vllm": v,
-                    "ours": o,
-                    "vllm_mean": mv,
-                    "ours_mean": mo,
-                    "ratio": mo / mv,
-                    "vllm_spread": spread(v),
-                    "ours_spread": spread(o),
-                }
-            )
+            rows.append(comparison_row(f"{client[:-5]} tool/server", v, o))
         report["points"].append({"load": f"{load[0]} {load[1]:g}", "rows": rows})
         print_point(report["points"][-1], a.rounds)
     return report

@@ -64,7 +64,7 @@ import aiohttp
 import psutil
 import requests
 
-from vllm_trn_plugin.bench.client import Target, build_payload
+from vllm_trn_plugin.bench.client import DONE, Target, build_payload, sse_messages, stream_error
 from vllm_trn_plugin.bench.local import LocalServer, serve_demo, vllm_trn_command
 from vllm_trn_plugin.bench.runner import make_session
 from vllm_trn_plugin.bench.workload import LengthDist, RequestSpec, random_requests
@@ -161,16 +161,11 @@ async def stream_tokens(
                 resp.close()  # closes the socket: the server sees the client gone
                 s.disconnected = True
                 return s
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
+            async for msg in sse_messages(resp):
+                if msg is DONE:
                     s.done = True
                     break
-                msg = json.loads(data)
-                if "error" in msg or msg.get("object") == "error":
+                if stream_error(msg) is not None:
                     s.error = f"stream error: {json.dumps(msg)[:300]}"
                     return s
                 for choice in msg.get("choices") or []:

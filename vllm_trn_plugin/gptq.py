@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm_trn_plugin.loaders.mxfp4 import BLOCK_SIZE, MAX_ROW_SPREAD
+from vllm_trn_plugin.loaders.mxfp4 import BLOCK_SIZE, E2M1_VALUES, MAX_ROW_SPREAD
 
 __all__ = [
-    "E2M1_GRID",
-    "dequantize",
     "gptq",
     "hessian_exponents",
     "limit_spread",
@@ -45,7 +43,6 @@ __all__ = [
     "rtn_exponents",
 ]
 
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E_MIN, _E_MAX = -127, 127  # E8M0 byte 0..254 (255 is NaN)
 _ZERO_BLOCK = -1000  # marks an all-zero block before it takes its row's exponent
 _CHUNK_ELEMS = 1 << 18  # weights per chunk of the exponent search
@@ -76,7 +73,7 @@ def _pow2(exp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _grid(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(E2M1_GRID, dtype=dtype, device=device)
+    return torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
 
 
 def round_to_grid(w: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
@@ -221,8 +218,3 @@ def quantize_codes(q: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     """Codes [..., in] -> bytes [..., in/2]: element 2j in the low nibble of byte j (compressed-tensors layout)."""
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def dequantize(codes: torch.Tensor, exp: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    vals = _grid(dtype, codes.device)[(codes & 7).long()] * torch.where(codes >= 8, -1.0, 1.0).to(dtype)
-    return vals * _pow2(_expand(exp), dtype)

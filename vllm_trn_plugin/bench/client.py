@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +109,31 @@ def _chunk_text(target: Target, choice: dict[str, Any]) -> str | None:
     return choice.get("text") or ""
 
 
+DONE = None  # what `sse_messages` yields for the stream's final `data: [DONE]`
+
+
+async def sse_messages(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any] | None]:
+    """The JSON messages of an OpenAI server-sent-event stream, in order, then DONE (None) if the stream
+    ends with `data: [DONE]`; blank separators and SSE comments are skipped."""
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            yield DONE
+            return
+        yield json.loads(data)
+
+
+def stream_error(msg: dict[str, Any]) -> str | None:
+    """The message of an error event inside a 200 stream (vLLM sends one when a request fails mid-stream)."""
+    if "error" not in msg and msg.get("object") != "error":
+        return None
+    err = msg.get("error", msg)
+    return str(err.get("message", err) if isinstance(err, dict) else err)
+
+
 async def stream_request(
     session: aiohttp.ClientSession,
     target: Target,
@@ -129,18 +155,12 @@ async def stream_request(
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return res
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue  # blank separators and SSE comments
-                data = line[5:].strip()
-                if data == b"[DONE]":
+            async for msg in sse_messages(resp):
+                if msg is DONE:
                     done = True
                     break
-                msg = json.loads(data)
-                if "error" in msg or msg.get("object") == "error":
-                    err = msg.get("error", msg)
-                    res.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
+                if (err := stream_error(msg)) is not None:
+                    res.error = f"stream error: {err}"
                     return res
                 for choice in msg.get("choices") or []:
                     text = _chunk_text(target, choice)

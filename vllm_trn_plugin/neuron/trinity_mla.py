@@ -148,7 +148,7 @@ class TrinityMLABetaModel(BetaModelAdapter):
         from vllm_trn_plugin.model_executors.latent_attention import LatentMetadata
 
         n_rows, n_tok = plan.live_rows, plan.live_tokens
-        qsl = plan.query_start_loc()
+        qsl, seq_lens = plan.query_start_loc(), plan.seq_lens()
         out: dict[str, Any] = {}
         for attn in self._latent:
             meta = attn_metadata[attn.prefix]
@@ -156,35 +156,51 @@ class TrinityMLABetaModel(BetaModelAdapter):
                 num_decodes=n_rows if plan.is_decode else 0,
                 num_actual_tokens=n_tok,
                 query_start_loc=qsl,
-                seq_lens=plan.seq_lens(),
+                seq_lens=seq_lens,
                 block_table=real_block_table(meta, n_rows),
                 slot_mapping=meta["slot_mapping"][:n_tok].long(),
                 block_size=int(meta["block_size"]),
             )
+        # Layers of one cache group share the runner's tensors: their window view is built once.
+        steps: dict[tuple[int, ...], PagedAttentionStep] = {}
         for name, attn in self._sliding:
             meta = attn_metadata[name]
-            bs = int(meta["block_size"])
-            table = real_block_table(meta, n_rows)
             offsets = meta.get("swa_kv_pos_offset")
-            offsets = (
-                torch.zeros(n_rows, dtype=torch.long)
-                if offsets is None
-                else offsets[:n_rows].to("cpu", torch.long).clone()
-            )
-            ids = []
-            for r in range(n_rows):
-                # Blocks from the one holding the window's first key to the one holding the last query.
-                first = max(0, int(plan.context_lens[r]) - attn.window + 1) - int(offsets[r])
-                last = int(plan.seq_lens()[r]) - 1 - int(offsets[r])
-                if first < 0 or last // bs >= table.shape[1]:
-                    raise ValueError(f"{name}: row {r} needs keys outside its block table")
-                ids.append(table[r, first // bs : last // bs + 1])
-                offsets[r] += (first // bs) * bs
-            out[name] = PagedAttentionStep(
-                slots=meta["slot_mapping"][:n_tok].long(),
-                query_start_loc=qsl,
-                query_pos0=plan.context_lens,
-                block_ids=ids,
-                kv_offsets=offsets,
-            )
+            key = (id(meta["block_table_tensor"]), id(meta["slot_mapping"]), id(offsets), attn.window)
+            if key not in steps:
+                steps[key] = self._window_step(name, attn.window, meta, plan, qsl, seq_lens)
+            out[name] = steps[key]
         return out
+
+    @staticmethod
+    def _window_step(
+        name: str,
+        window: int,
+        meta: dict[str, Any],
+        plan: StepPlan,
+        qsl: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> PagedAttentionStep:
+        n_rows, n_tok = plan.live_rows, plan.live_tokens
+        bs = int(meta["block_size"])
+        table = real_block_table(meta, n_rows)
+        offsets = meta.get("swa_kv_pos_offset")
+        offsets = (
+            torch.zeros(n_rows, dtype=torch.long) if offsets is None else offsets[:n_rows].to("cpu", torch.long).clone()
+        )
+        ids = []
+        for r, (ctx, seq) in enumerate(zip(plan.context_lens.tolist(), seq_lens.tolist())):
+            # Blocks from the one holding the window's first key to the one holding the last query.
+            first = max(0, ctx - window + 1) - int(offsets[r])
+            last = seq - 1 - int(offsets[r])
+            if first < 0 or last // bs >= table.shape[1]:
+                raise ValueError(f"{name}: row {r} needs keys outside its block table")
+            ids.append(table[r, first // bs : last // bs + 1])
+            offsets[r] += (first // bs) * bs
+        return PagedAttentionStep(
+            slots=meta["slot_mapping"][:n_tok].long(),
+            query_start_loc=qsl,
+            query_pos0=plan.context_lens,
+            block_ids=ids,
+            kv_offsets=offsets,
+        )
