@@ -30,9 +30,11 @@ float32 so that "equal" can be tight, a small cache pool (POOL_BYTES, why there)
    MLA-Trinity's latent and sliding-window blocks) and nothing running or waiting. Aborts: vLLM counts a
    client-aborted request in no `vllm:request_success_total` series, so the check is that the "length"
    count grew by the complete streams (plus disconnected ones that finished before the server noticed),
-   no "error", and `vllm:generation_tokens_total` grew by less than the wave would have generated with no
-   disconnect. The resident memory (VmRSS) of the server process and all its children (API server, engine
-   core, worker) is recorded.
+   no "error", and `vllm:generation_tokens_total` grew by at least what the clients received and at most
+   what the wave would have generated with no disconnect. How many disconnects were cut short (rather than
+   finished first) is reported: it depends on how fast the server runs, so it is no pass/fail check. The
+   resident memory (VmRSS) of the server process and all its children (API server, engine core, worker) is
+   recorded.
 4. Stability of resident memory over the waves (`rss_stable`): the first half of the waves is warm-up
    (caches that fill to a bound); from the first wave after it to the last, growth within `--rss-tol`
    (default 2%) and `--rss-kib-per-request` (default 16 KiB per request served). The server runs with
@@ -858,6 +860,7 @@ def _after_wave(
         "server_generated_tokens": delta["generation_tokens"] - len(probe.tokens),
         "server_finished_length": delta.get("finished_length", 0.0) - 1,  # less the probe
         "server_finished_error": delta.get("finished_error", 0.0),
+        "server_cut_short": completed + disconnected - (delta.get("finished_length", 0.0) - 1),
         "peak_in_flight": w.peak_in_flight,
         "peak_open_streams": w.peak_open_streams,
         "server_peak": w.server_peak,
@@ -891,15 +894,17 @@ def _after_wave(
             f"{counts.get('prefix', 0)} prefixes, {counts.get('prefix-tie', 0)} ties, "
             f"{counts.get('prefix-wrong', 0)} wrong, {counts.get('error', 0)} errors",
         ),
-        f"{pre}: disconnects aborted on the server": (
-            # Every complete stream finished on the server; a disconnected one may have finished before
-            # the server noticed, but most must have been cut short (fewer tokens generated than asked).
+        f"{pre}: server counters agree with the streams": (
+            # Every complete stream finished on the server. A disconnected one was either cut short or finished
+            # before the server noticed; which, depends on how fast the server runs, so only the bounds are
+            # checked: the server generated at least what the clients received and at most the whole wave.
             completed <= wave["server_finished_length"] <= completed + disconnected
             and wave["server_finished_error"] == 0
-            and (disconnected == 0 or wave["server_generated_tokens"] < wave["tokens_if_none_disconnected"]),
+            and wave["tokens_received"] <= wave["server_generated_tokens"] <= wave["tokens_if_none_disconnected"],
             f"finished 'length' {wave['server_finished_length']:.0f} for {completed} complete + "
-            f"{disconnected} disconnected; generated {wave['server_generated_tokens']:.0f} tokens of "
-            f"{wave['tokens_if_none_disconnected']} without disconnects ({wave['tokens_received']} received)",
+            f"{disconnected} disconnected ({wave['server_cut_short']:.0f} cut short); generated "
+            f"{wave['server_generated_tokens']:.0f} tokens of {wave['tokens_if_none_disconnected']} without "
+            f"disconnects ({wave['tokens_received']} received)",
         ),
         f"{pre}: pool empty, nothing running or waiting": (
             after["kv_cache_usage"] == 0 and after["running"] == 0 and after["waiting"] == 0,
