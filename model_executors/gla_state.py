@@ -35,9 +35,10 @@ class GLAStateMetadata:
     num_actual_tokens: int
     decode_slots: torch.Tensor  # [num_decodes] page per decode row (-1 = padding)
     decode_fresh: torch.Tensor  # [num_decodes] bool: no history yet, start from zero state
-    prefill_cu_seqlens: torch.Tensor  # [num_prefills + 1], token offsets after the decode rows
+    prefill_cu_seqlens: torch.Tensor  # [num_prefills + 1] host int64, token offsets after the decode rows
     prefill_slots: torch.Tensor  # [num_prefills]
     prefill_has_state: torch.Tensor  # [num_prefills] bool: continues a chunked prefill
+    # Every tensor but prefill_cu_seqlens (read on the host to split the packed tokens) is on the model's device.
 
 
 class GLAStateMetadataBuilder(AttentionMetadataBuilder[GLAStateMetadata]):
@@ -55,8 +56,7 @@ class GLAStateMetadataBuilder(AttentionMetadataBuilder[GLAStateMetadata]):
         m = common_attn_metadata
         num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(m, decode_threshold=1)
         qsl = m.query_start_loc_cpu[: m.num_reqs + 1].long()
-        query_lens = qsl[1:] - qsl[:-1]
-        context_lens = m.seq_lens[: m.num_reqs].cpu().long() - query_lens
+        context_lens = m.compute_num_computed_tokens()[: m.num_reqs]  # on the device: no host sync
         slots = m.block_table_tensor[: m.num_reqs, 0].long()
         return GLAStateMetadata(
             num_decodes=num_decodes,
@@ -64,7 +64,7 @@ class GLAStateMetadataBuilder(AttentionMetadataBuilder[GLAStateMetadata]):
             num_decode_tokens=num_decode_tokens,
             num_actual_tokens=int(qsl[-1]),
             decode_slots=slots[:num_decodes],
-            decode_fresh=(context_lens[:num_decodes] == 0).to(slots.device),
+            decode_fresh=context_lens[:num_decodes] == 0,
             prefill_cu_seqlens=qsl[num_decodes:] - num_decode_tokens,
             prefill_slots=slots[num_decodes:],
             prefill_has_state=context_lens[num_decodes:] > 0,

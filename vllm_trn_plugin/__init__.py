@@ -55,10 +55,11 @@ def register() -> None:
         return
     from transformers import AutoConfig
     from vllm import ModelRegistry
-    from vllm.model_executor.models.config import MODELS_CONFIG_MAP, MambaModelConfig
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     import vllm_trn_plugin.quantization  # noqa: F401  (registers the trn-mxfp4-fp8 method)
     from vllm_trn_plugin.configs import LaplaceConfig
+    from vllm_trn_plugin.engine_checks import ENGINE_CHECKS
 
     _init_cpu_amx()
     AutoConfig.register("laplace", LaplaceConfig, exist_ok=True)
@@ -71,7 +72,7 @@ def register() -> None:
     for arch, path in architectures.items():
         if arch not in supported:
             ModelRegistry.register_model(arch, path)
-    # One state page per sequence, sized to max_model_len (vLLM fills this only for the state
-    # models it knows).
-    MODELS_CONFIG_MAP.setdefault("LaplaceForCausalLM", MambaModelConfig)
+    # vLLM's config hooks for the two architectures: refusals and splitting ops (engine_checks.py); for
+    # Laplace also vLLM's state-model settings (one state page per sequence, sized to max_model_len).
+    MODELS_CONFIG_MAP.update(ENGINE_CHECKS)
     _registered = True

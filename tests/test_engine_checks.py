@@ -1,0 +1,94 @@
+"""What vLLM's engine config becomes for the plugin's models, built as `vllm serve` builds it (no engine started):
+features that would corrupt state are refused naming the option, the stateful custom ops are splitting ops (so a
+piecewise CUDA graph never captures them), and the GLA metadata lives on the model's device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_trn_plugin.engine_checks import STATEFUL_OPS
+
+
+@pytest.fixture(scope="module")
+def trinity_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from vllm_trn_plugin.demo import write_trinity_demo
+
+    return write_trinity_demo(tmp_path_factory.mktemp("trinity-demo"), seed=0, dtype=torch.float32)
+
+
+def _config(model: Path, **kw: object):  # noqa: ANN202
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(model), max_model_len=2048, kv_cache_memory_bytes=1 << 28, **kw).create_engine_config()
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+CONNECTOR = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
+
+
+@pytest.mark.parametrize("model", ["laplace", "trinity"])
+def test_stateful_ops_are_splitting_ops(model: str, laplace_ckpt: Path, trinity_ckpt: Path) -> None:
+    cfg = _config(laplace_ckpt if model == "laplace" else trinity_ckpt)
+    ops = cfg.compilation_config.splitting_ops
+    assert all(op in ops for op in STATEFUL_OPS), ops
+    assert "vllm::unified_attention_with_output" in ops  # vLLM's own stay
+
+
+@pytest.mark.parametrize(
+    ("model", "kw", "option"),
+    [
+        ("laplace", {"speculative_config": NGRAM}, "--speculative-config"),
+        ("laplace", {"kv_transfer_config": CONNECTOR}, "--kv-transfer-config"),
+        ("trinity", {"speculative_config": NGRAM}, "--speculative-config"),
+        ("trinity", {"kv_transfer_config": CONNECTOR}, "--kv-transfer-config"),
+        ("trinity", {"kv_offloading_size": 1.0}, "--kv-offloading-size"),
+    ],
+)
+def test_state_corrupting_features_refused_at_start(
+    model: str, kw: dict, option: str, laplace_ckpt: Path, trinity_ckpt: Path
+) -> None:
+    with pytest.raises(ValueError, match=f"cannot be served with {option}"):
+        _config(laplace_ckpt if model == "laplace" else trinity_ckpt, **kw)
+
+
+def test_gla_metadata_on_the_model_device(laplace_ckpt: Path) -> None:
+    """Built from metadata whose device tensors are on `meta` (a stand-in for CUDA or Neuron that fails on any
+    mix with a CPU tensor and on any host read of a device value): every tensor the mixer combines with the
+    state pools is on that device; only the token offsets, which split the packed batch on the host, are not."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from vllm_trn_plugin.model_executors.gla_state import GLAStateMetadataBuilder
+    from vllm_trn_plugin.model_executors.laplace import LaplaceForCausalLM
+
+    cfg = _config(laplace_ckpt)
+    spec_shapes = LaplaceForCausalLM.get_mamba_state_shape_from_config(cfg)
+    meta = torch.device("meta")
+    # Two decodes (one brand-new one-token prompt), then a fresh prefill and a continued one.
+    q_lens, ctx = [1, 1, 5, 3], [7, 0, 0, 4]
+    qsl = torch.tensor([0, 1, 2, 7, 10])
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl.to(meta),
+        query_start_loc_cpu=qsl,
+        seq_lens=torch.tensor([q + c for q, c in zip(q_lens, ctx)]).to(meta),
+        num_reqs=4,
+        num_actual_tokens=10,
+        max_query_len=5,
+        max_seq_len=8,
+        block_table_tensor=torch.arange(4).view(4, 1).to(meta),
+        slot_mapping=torch.zeros(10, dtype=torch.long).to(meta),
+    )
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    spec = MambaSpec(block_size=2048, shapes=spec_shapes, dtypes=(torch.float32, torch.float32))
+    with set_current_vllm_config(cfg):
+        builder = GLAStateMetadataBuilder(spec, ["model.layers.0.mixer"], cfg, meta)
+        m = builder.build(0, common)
+    assert (m.num_decodes, m.num_prefills, m.num_decode_tokens, m.num_actual_tokens) == (2, 2, 2, 10)
+    for name in ("decode_slots", "decode_fresh", "prefill_slots", "prefill_has_state"):
+        assert getattr(m, name).device == meta, name
+    assert m.prefill_cu_seqlens.device.type == "cpu" and m.prefill_cu_seqlens.tolist() == [0, 5, 8]
