@@ -51,3 +51,32 @@ def test_full_geometry_state_page(full_size_ckpt) -> None:
     # Independent count from the spec: 24 x (16 x 96 x 192 fp32 + 3 x 3072 bf16) bytes.
     assert page == 24 * (16 * 96 * 192 * 4 + 3 * 3072 * 2)
     assert 28e6 <= page <= 31e6, f"{page / 1e6:.2f} MB per sequence"
+
+
+@pytest.mark.parametrize(("budget_pages", "sequences"), [(65, 64), (64, 63)])
+def test_budget_in_pages_admits_one_sequence_less_than_pages(full_size_ckpt, budget_pages: int, sequences: int) -> None:
+    """The README's sizing rule, through vLLM's own cache sizing and block pool: a budget of N whole state pages
+    holds N - 1 sequences, since vLLM keeps one block as its null block."""
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from vllm_trn_plugin.model_executors.gla_state import GLAStateBackend
+    from vllm_trn_plugin.model_executors.laplace import LaplaceForCausalLM
+
+    vc = _engine_config(full_size_ckpt, 8192)
+    spec = MambaSpec(
+        shapes=LaplaceForCausalLM.get_mamba_state_shape_from_config(vc),
+        dtypes=LaplaceForCausalLM.get_mamba_state_dtype_from_config(vc),
+        block_size=vc.cache_config.mamba_block_size,
+    )
+    specs = {f"model.layers.{i}.mixer": spec for i in range(vc.model_config.hf_config.num_hidden_layers)}
+    page = 24 * (16 * 96 * 192 * 4 + 3 * 3072 * 2)  # bytes of one sequence's state, every layer
+    assert page == 28_753_920
+    # As vllm/v1/engine/core.py does before sizing the cache.
+    layouts = [layout.name for layout in get_supported_kv_cache_layouts([GLAStateBackend])]
+    resolve_kv_cache_layout(vc, [layouts], specs.values())
+    (kv,) = get_kv_cache_configs(vc, [specs], [budget_pages * page])
+    pool = BlockPool(kv.num_blocks, enable_caching=False, hash_block_size=spec.block_size)
+    assert pool.get_num_free_blocks() == sequences  # one page per sequence
