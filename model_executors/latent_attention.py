@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -41,6 +42,40 @@ from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
 
 from vllm_trn_plugin.kernels import dispatch
 from vllm_trn_plugin.kernels.latent_decode_nki import gather_blocks
+
+logger = init_logger(__name__)
+
+def key_scale_bytes_per_latent_byte(config, dtype: torch.dtype) -> float:  # noqa: ANN001  (AfmoeConfig)
+    """The key-scale store's bytes per byte of latent cache: one fp32 per KV head per r-wide latent row."""
+    return config.num_key_value_heads * 4 / (config.kv_lora_rank * dtype.itemsize)
+
+
+def reserve_key_scale_budget(vllm_config: VllmConfig) -> None:
+    """Shrink an explicit KV cache budget (--kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE) so that vLLM's cache
+    plus the key-scale stores fit in it.
+
+    Runs in the worker, when the model is built (before the worker reports its cache memory). vLLM sizes the
+    pool from the budget; the stores hold ratio x the latent layers' share of it, which is at most the whole
+    pool, so budget / (1 + ratio) always fits (exactly when every cache tensor also holds a latent layer, as in
+    Trinity-Mini's hybrid layout and the demo's). A budget vLLM derives itself (memory utilisation) is not
+    changed: there the stores come on top of it (logged at bind).
+    """
+    cache = vllm_config.cache_config
+    budget = cache.kv_cache_memory_bytes
+    if not budget or _reserved.get(id(cache)) == budget:  # already reserved for this config
+        return
+    ratio = key_scale_bytes_per_latent_byte(vllm_config.model_config.hf_config, vllm_config.model_config.dtype)
+    cache.kv_cache_memory_bytes = int(budget / (1 + ratio))
+    _reserved[id(cache)] = cache.kv_cache_memory_bytes
+    logger.info(
+        "MLA-Trinity: %d of the %d B KV cache budget reserved for the key-scale stores (%.2f%% of the latent bytes)",
+        budget - cache.kv_cache_memory_bytes,
+        budget,
+        100 * ratio,
+    )
+
+
+_reserved: dict[int, int] = {}
 
 
 @dataclass
@@ -161,11 +196,13 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         """s_g,i = 1 / rms(W_k,g c_i) for latents c [n, r]: [n, Hkv] fp32."""
         return torch.rsqrt(torch.einsum("nr,gdr->ngd", c.float(), Wk).pow(2).mean(-1) + self.eps)
 
-    def _scale_store(self, rows: int, device: torch.device) -> torch.Tensor:
-        # Allocated on first use at the cache's size; NaN so a read of a slot never written shows.
-        if self.key_scales is None or self.key_scales.shape[0] != rows:
-            self.key_scales = torch.full((rows, self.num_kv_heads), float("nan"), device=device)
-        return self.key_scales
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """vLLM's latent cache for this layer, and the key-scale store beside it, allocated here so that it is in
+        memory from start-up (its bytes come out of the cache budget: `reserve_key_scale_budget`). NaN: a read
+        of a slot never written shows."""
+        self.kv_cache = kv_cache
+        rows = kv_cache.numel() // self.kv_lora_rank
+        self.key_scales = torch.full((rows, self.num_kv_heads), float("nan"), device=kv_cache.device)
 
     def attend(self, q: torch.Tensor, latent: torch.Tensor, output: torch.Tensor) -> None:
         meta = get_forward_context().attn_metadata
@@ -176,7 +213,9 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         assert isinstance(meta, LatentMetadata)
         T, r, bs = meta.num_actual_tokens, self.kv_lora_rank, meta.block_size
         cache = self.kv_cache.view(-1, r)
-        scales = self._scale_store(cache.shape[0], cache.device)
+        scales = self.key_scales
+        if scales is None or scales.shape[0] != cache.shape[0]:
+            raise RuntimeError(f"{self.prefix}: the latent cache was set without bind_kv_cache (no key-scale store)")
         Wk, Wv = self._kv_weights()
         valid = meta.slot_mapping >= 0
         slots = meta.slot_mapping[valid]
@@ -201,18 +240,23 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
                 bs,
             )
             out[:nd] = decoded.to(out.dtype)
+        scale_blocks = scales.view(-1, bs, self.num_kv_heads)
         for b in range(nd, len(seq_lens)):
             L = int(seq_lens[b])
             s, e = int(qsl[b]), int(qsl[b + 1])
             ids = meta.block_table[b, : -(-L // bs)]
-            out[s:e] = self._prefill(q[s:e], gather_blocks(cache_blocks, ids, L), Wk, Wv).to(out.dtype)
+            c = gather_blocks(cache_blocks, ids, L)
+            out[s:e] = self._prefill(q[s:e], c, scale_blocks[ids].view(-1, self.num_kv_heads)[:L], Wk, Wv).to(out.dtype)
         output[T:] = 0
 
-    def _prefill(self, q: torch.Tensor, c: torch.Tensor, Wk: torch.Tensor, Wv: torch.Tensor) -> torch.Tensor:
-        """Rebuild K, V from latents c [L, r]; causal GQA for the last q.shape[0] positions."""
+    def _prefill(
+        self, q: torch.Tensor, c: torch.Tensor, s: torch.Tensor, Wk: torch.Tensor, Wv: torch.Tensor
+    ) -> torch.Tensor:
+        """Rebuild K, V from latents c [L, r] and their stored key scales s [L, Hkv] (the values decode reads, so
+        both paths normalise a key identically, in fp32); causal GQA for the last q.shape[0] positions."""
         n, L = q.shape[0], c.shape[0]
         cf = c.float()
-        k = self.k_norm(torch.einsum("lr,gdr->gld", cf, Wk).to(c.dtype)).float()  # [Hkv, L, hd]
+        k = torch.einsum("lr,gdr->gld", cf, Wk) * s.t()[:, :, None] * self.k_norm.weight.float()  # [Hkv, L, hd]
         v = torch.einsum("lr,gdr->gld", cf, Wv)
         # 4-D with enable_gqa and a lower-right causal bias: torch's CPU flash kernel, no [H, n, L]
         # mask or score tensor in memory, no K/V repeated per q head.

@@ -31,7 +31,7 @@ from vllm.model_executor.models.afmoe import (
 from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_index, make_layers, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
-from vllm_trn_plugin.model_executors.latent_attention import TrinityLatentAttention
+from vllm_trn_plugin.model_executors.latent_attention import TrinityLatentAttention, reserve_key_scale_budget
 from vllm_trn_plugin.model_executors.mxfp4_fp8 import check_all_loaded, packed_weights
 from vllm_trn_plugin.quantization import TrnMxfp4Fp8Config
 
@@ -99,6 +99,7 @@ class TrinityMLAModel(nn.Module):
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1 or parallel.tensor_parallel_size != 1:
             raise ValueError("TrinityMLAForCausalLM: tensor and pipeline parallelism are not supported yet (size 1)")
+        reserve_key_scale_budget(vllm_config)
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.start_layer, self.end_layer, self.layers = make_layers(

@@ -7,11 +7,13 @@ long prompts are prefilled in chunks) and every HTTP test the single `laplace_se
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +93,15 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> l
 
     monkeypatch.setattr(module, name, counted)
     return calls
+
+
+@contextlib.contextmanager
+def worker_functions_allowed() -> Iterator[None]:
+    """While open, `LLM.apply_model` may ship a function to vLLM's worker process (vLLM refuses to serialise
+    functions otherwise); the engine must be created inside it, as its processes read the switch at start."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        yield
 
 
 def token_prompts(prompts: list[list[int]]) -> list[dict]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.afmoe_reference import convert_to_mla, hf_greedy, make_random_afmoe
-from tests.conftest import random_prompts, token_prompts
+from tests.conftest import random_prompts, token_prompts, worker_functions_allowed
 from tests.laplace_reference import TIE_MARGIN, first_divergence
 
 pytestmark = pytest.mark.vllm
@@ -33,6 +33,9 @@ def _params(max_tokens: int, logprobs: int = 2):  # noqa: ANN202
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, ignore_eos=True)
 
 
+KV_CACHE_BYTES = 512 << 20
+
+
 def _engine(model: str, **kw):  # noqa: ANN003, ANN202
     from vllm import LLM
 
@@ -42,7 +45,7 @@ def _engine(model: str, **kw):  # noqa: ANN003, ANN202
         max_model_len=1024,
         max_num_batched_tokens=256,  # long prompts are prefilled in chunks, mixed with decodes
         max_num_seqs=32,
-        kv_cache_memory_bytes=512 << 20,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
         max_logprobs=VOCAB,
         logprobs_mode="raw_logits",
         disable_log_stats=False,
@@ -77,15 +80,32 @@ def hf_refs(checkpoints):  # noqa: ANN001, ANN201
     return prompts, [hf_greedy(orig, p, 64) for p in prompts]
 
 
+def cache_memory(model: torch.nn.Module) -> dict[str, int]:
+    """Run in the worker (LLM.apply_model): bytes of the cache tensors bound to the model's layers (a tensor that
+    layers share counted once) and of the latent layers' key-scale stores."""
+    from vllm_trn_plugin.model_executors.latent_attention import TrinityLatentAttention
+
+    storages, scales = {}, 0
+    for m in model.modules():
+        kv = getattr(m, "kv_cache", None)
+        if isinstance(kv, torch.Tensor) and kv.numel():
+            storages[kv.untyped_storage().data_ptr()] = kv.untyped_storage().nbytes()
+        if isinstance(m, TrinityLatentAttention) and m.key_scales is not None:
+            scales += m.key_scales.numel() * m.key_scales.element_size()
+    return {"cache": sum(storages.values()), "key_scales": scales}
+
+
 @pytest.fixture(scope="module")
 def mla_llm(checkpoints):  # noqa: ANN001, ANN201
     _, mla = checkpoints
-    llm = _engine(str(mla))
-    probes = random_prompts(2, [9, 300], seed=98)
-    fresh = [llm.generate(token_prompts([p]), _params(12), use_tqdm=False)[0] for p in probes]
-    yield llm, probes, fresh
-    del llm
-    gc.collect()
+    with worker_functions_allowed():
+        llm = _engine(str(mla))
+        (bound,) = llm.apply_model(cache_memory)  # before the first request
+        probes = random_prompts(2, [9, 300], seed=98)
+        fresh = [llm.generate(token_prompts([p]), _params(12), use_tqdm=False)[0] for p in probes]
+        yield llm, probes, fresh, bound
+        del llm
+        gc.collect()
 
 
 def _assert_matches_hf(outs, prompts, refs, what: str) -> None:  # noqa: ANN001
@@ -164,11 +184,24 @@ def test_prefix_cache_hits_give_the_same_tokens(mla_llm, checkpoints) -> None:
 
 
 def test_reused_blocks_equal_fresh_engine(mla_llm) -> None:
-    llm, probes, fresh = mla_llm
+    llm, probes, fresh, _ = mla_llm
     for p, f in zip(probes, fresh):
         got, want = _steps(llm.generate(token_prompts([p]), _params(12), use_tqdm=False)[0]), _steps(f)
         assert got[0] == want[0], f"probe of {len(p)} tokens differs after block reuse"
         assert max(abs(a - b) for a, b in zip(got[1], want[1])) <= LOGPROB_TOL
+
+
+def test_cache_budget_holds_latent_cache_and_key_scales(mla_llm) -> None:
+    """--kv-cache-memory-bytes bounds everything the cache needs: vLLM's blocks plus the key-scale stores, which
+    are allocated when the cache is bound (an OOM shows at start-up, not at the first request) and never grow."""
+    llm, _, _, bound = mla_llm
+    assert bound["key_scales"] > 0, "no key-scale store allocated when the cache was bound"
+    total = bound["cache"] + bound["key_scales"]
+    print(f"\ncache {bound['cache']} B + key scales {bound['key_scales']} B = {total} B of {KV_CACHE_BYTES} B")
+    assert total <= KV_CACHE_BYTES
+    assert total > 0.99 * KV_CACHE_BYTES  # the budget is used, not just respected (vLLM rounds to whole pages)
+    (after,) = llm.apply_model(cache_memory)  # after every other test's requests
+    assert after == bound
 
 
 def test_builtin_afmoe_control_equals_transformers(mla_llm, checkpoints, hf_refs) -> None:

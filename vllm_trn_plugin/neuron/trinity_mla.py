@@ -140,8 +140,7 @@ class TrinityMLABetaModel(BetaModelAdapter):
             (latent,) = self._cache_entry(kv_caches, attn.prefix, 1)
             if latent.dim() != 3 or latent.shape[2] != attn.kv_lora_rank:
                 raise ValueError(f"{attn.prefix}: latent cache {tuple(latent.shape)}, expected [blocks, block_size, r]")
-            attn.kv_cache = latent
-            attn.key_scales = None  # the side store is sized to the bound cache on first use
+            attn.bind_kv_cache(latent)  # allocates the key-scale store beside it
         self._bound = True
 
     def _forward_metadata(self, plan: StepPlan, attn_metadata: dict[str, dict[str, Any]]) -> dict[str, Any]:
