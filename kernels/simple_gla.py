@@ -12,9 +12,12 @@ for positions i = 0..L-1 of a chunk of length L::
     o_i   = scale * (lambda^(i+1) q_i^T S_0 + sum_{j<=i} lambda^(i-j) (q_i . k_j) v_j) + aug_i
     S_end = lambda^L S_0 + sum_j lambda^(L-1-j) k_j v_j^T
 
-The intra-chunk part is one masked (C x C) attention per chunk, computed for every chunk of
-every sequence at once; only the state hand-over between chunks is sequential, batched over
-sequences. Decay powers are formed as exp((i-j) log lambda) on the causal triangle only, never
+Varlen: only the real chunks are computed (chunk c of a sequence exists if it has tokens; a
+sequence's last chunk may be partial), packed as [num_real_chunks, H, C, d], so a step's work
+and memory follow its tokens, not N x its longest sequence. The intra-chunk part is one masked
+(C x C) attention per real chunk, all at once; only the state hand-over between chunks is
+sequential, over the chunk index, each step batched over the sequences that have that chunk
+(O(T) in all). Decay powers are formed as exp((i-j) log lambda) on the causal triangle only, never
 as lambda^i * lambda^-j (which overflows fp32 for lambda = 0.5 at i = 128).
 
 Tiling on Trainium: C = 128 matches the 128 SBUF partitions; a chunk's (C x C) score tile and
@@ -45,6 +48,19 @@ def _self_augmentation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aug: t
     return gate * v
 
 
+def _check_packed(num_tokens: int, cu_seqlens: torch.Tensor, state: torch.Tensor, what: str) -> None:
+    """cu_seqlens must describe num_tokens packed tokens, and state hold one entry per sequence."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"{what}: cu_seqlens must be 1-D with N+1 >= 1 entries, got shape {tuple(cu_seqlens.shape)}")
+    if state.shape[0] != cu_seqlens.numel() - 1:
+        raise ValueError(f"{what}: the state holds {state.shape[0]} sequences, cu_seqlens {cu_seqlens.numel() - 1}")
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != num_tokens or bool((lens < 0).any()):
+        raise ValueError(
+            f"{what}: cu_seqlens must rise from 0 to the {num_tokens} packed tokens, got {cu_seqlens.tolist()}"
+        )
+
+
 def simple_gla_chunked_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -59,58 +75,86 @@ def simple_gla_chunked_prefill(
     """Chunked Simple GLA over a packed batch of variable-length sequences.
 
     q, k: [T, H, dk]; v: [T, H, dv]; aug: [H, dk]; log_decay: [H];
-    cu_seqlens: [N+1] int (cumulative lengths, cu_seqlens[0] = 0, each length >= 1);
-    initial_state: [N, H, dk, dv] fp32.
+    cu_seqlens: [N+1] int (cumulative lengths, cu_seqlens[0] = 0, cu_seqlens[N] = T; a length-0
+    sequence hands its state on unchanged); initial_state: [N, H, dk, dv] fp32.
     Returns (o [T, H, dv] in q's dtype, final_state [N, H, dk, dv] fp32).
     """
     out_dtype = q.dtype
-    T, H, _ = q.shape
+    T, H, dk = q.shape
+    dv = v.shape[-1]
     N = cu_seqlens.numel() - 1
     C = chunk_size
     dev = q.device
+    _check_packed(T, cu_seqlens, initial_state, "simple_gla_chunked_prefill")
     qf, kf, vf = q.float(), k.float(), v.float()
     ld = log_decay.to(dev, torch.float32)
 
-    cu = cu_seqlens.to(dev, torch.long)
+    # The chunk layout is planned on the host, from host offsets (vLLM's query_start_loc_cpu),
+    # so no device value is read back. Sequences are ordered by chunk count, most first (stable),
+    # so that the sequences that still have a chunk c are a prefix of that order. Real chunks are
+    # numbered c-major in it: chunk c of the sequence of rank r is chunk starts[c] + r, and the
+    # chunks with index c are the contiguous range [starts[c], starts[c] + counts[c]).
+    cu_h = cu_seqlens.cpu().long()
+    n_chunks = (cu_h[1:] - cu_h[:-1] + C - 1) // C  # real chunks of each sequence
+    max_chunks = int(n_chunks.max()) if N else 0
+    order_h = torch.argsort(n_chunks, descending=True, stable=True)
+    counts_h = N - torch.bincount(n_chunks, minlength=max_chunks + 1).cumsum(0)[:max_chunks]
+    starts_h = counts_h.cumsum(0) - counts_h
+    counts_host, starts_host = counts_h.tolist(), starts_h.tolist()  # for the hand-off loop
+    M = sum(counts_host)  # real chunks
+    cu, order, counts, starts = (t.to(dev) for t in (cu_h, order_h, counts_h, starts_h))
     lens = cu[1:] - cu[:-1]
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(N, device=dev)
+
     seq_id = torch.repeat_interleave(torch.arange(N, device=dev), lens, output_size=T)
     pos = torch.arange(T, device=dev) - cu[seq_id]
-    chunk_id, intra = pos // C, pos % C
-    n_chunks = int((lens.max().item() + C - 1) // C) if N else 0
+    chunk_of, intra = pos // C, pos % C
+    chunk = starts[chunk_of] + rank[seq_id]  # token -> its real chunk
 
-    def pad(x: torch.Tensor) -> torch.Tensor:  # [T, H, d] -> [N, n_chunks, C, H, d]
-        buf = x.new_zeros(N, n_chunks, C, H, x.shape[-1])
-        buf[seq_id, chunk_id, intra] = x
+    def pack(x: torch.Tensor) -> torch.Tensor:  # [T, H, d] -> [M, H, C, d], zeros past a chunk's end
+        buf = x.new_zeros(M, H, C, x.shape[-1])
+        buf[chunk, :, intra] = x
         return buf
 
-    qp, kp, vp = pad(qf), pad(kf), pad(vf)
-    # Chunk lengths L [N, n_chunks]; chunks past a sequence's end have L = 0.
-    chunk_start = torch.arange(n_chunks, device=dev) * C
-    L = (lens[:, None] - chunk_start[None, :]).clamp(0, C)
+    qp, kp, vp = pack(qf), pack(kf), pack(vf)
+    # Real chunk m is chunk c = chunk_idx[m] of the sequence of rank m - starts[c]; its length
+    # L[m] is C but for a sequence's last chunk.
+    chunk_idx = torch.repeat_interleave(torch.arange(max_chunks, device=dev), counts, output_size=M)
+    chunk_seq = order[torch.arange(M, device=dev) - starts[chunk_idx]]
+    L = (lens[chunk_seq] - chunk_idx * C).clamp(max=C)
 
     idx = torch.arange(C, device=dev, dtype=torch.float32)
     # Intra-chunk decay mask D[h, i, j] = lambda_h^(i-j) for j <= i, else 0.
     diff = idx[:, None] - idx[None, :]
-    causal = diff >= 0
-    D = torch.where(causal, torch.exp(diff.clamp(min=0) * ld[:, None, None]), 0.0)  # [H, C, C]
-    scores = torch.einsum("ncihd,ncjhd->nchij", qp, kp) * D
-    o = torch.einsum("nchij,ncjhe->ncihe", scores, vp)
+    D = torch.where(diff >= 0, torch.exp(diff.clamp(min=0) * ld[:, None, None]), 0.0)  # [H, C, C]
+    o = (qp @ kp.transpose(-1, -2)).mul_(D) @ vp  # [M, H, C, dv]
 
     # Contribution of each chunk to the state it hands on: sum_j lambda^(L-1-j) k_j v_j^T.
-    steps_to_end = (L[..., None] - 1 - idx).clamp(min=0)  # [N, n_chunks, C]
-    in_chunk = idx < L[..., None]
-    w = torch.where(in_chunk[..., None], torch.exp(steps_to_end[..., None] * ld), 0.0)  # [N,c,C,H]
-    U = torch.einsum("ncjh,ncjhd,ncjhe->nchde", w, kp, vp)
-    chunk_decay = torch.exp(L[..., None].float() * ld)  # lambda^L, [N, n_chunks, H]
-    q_decay = torch.exp((idx + 1)[:, None] * ld)  # lambda^(i+1), [C, H]
+    # Past the chunk's end k is zero; the where keeps exp of a negative step count out of it.
+    steps_to_end = (L[:, None] - 1 - idx).clamp(min=0)  # [M, C]
+    w = torch.where((idx < L[:, None])[:, None, :], torch.exp(steps_to_end[:, None, :] * ld[:, None]), 0.0)
+    states = kp.mul_(w[..., None]).transpose(-1, -2) @ vp  # U, [M, H, dk, dv] (kp is done with)
+    chunk_decay = torch.exp(L[:, None].float() * ld)[..., None, None]  # lambda^L, [M, H, 1, 1]
 
-    S = initial_state.to(dev, torch.float32).clone()
-    for c in range(n_chunks):
-        o[:, c] += torch.einsum("nihd,nhde->nihe", qp[:, c] * q_decay[:, :, None], S)
-        S = chunk_decay[:, c, :, None, None] * S + U[:, c]
+    # Sequential hand-off over the chunk index, each step touching only the sequences that
+    # have that chunk (a prefix of `order`): total work is proportional to M. On the way,
+    # `states` is overwritten with the state each chunk starts from.
+    S = initial_state.to(dev, torch.float32)[order]
+    for s0, n in zip(starts_host, counts_host, strict=True):
+        S_next = chunk_decay[s0 : s0 + n] * S[:n] + states[s0 : s0 + n]
+        states[s0 : s0 + n] = S[:n]
+        S[:n] = S_next
 
-    o_tok = o[seq_id, chunk_id, intra] * scale + _self_augmentation(qf, kf, vf, aug.float())
-    return o_tok.to(out_dtype), S
+    # o_i += lambda^(i+1) q_i^T S_0, with S_0 the state the chunk starts from.
+    qp.mul_(torch.exp((idx + 1)[:, None] * ld).t()[..., None])  # lambda^(i+1), [H, C, 1]
+    o.view(M * H, C, dv).baddbmm_(qp.view(M * H, C, dk), states.view(M * H, dk, dv))
+    o_tok = o[chunk, :, intra]
+    del qp, kp, vp, o, states  # the packed chunks go before the per-token tail allocates
+    o_tok.mul_(scale).add_(_self_augmentation(qf, kf, vf, aug.float()))
+    final = torch.empty_like(S)
+    final[order] = S
+    return o_tok.to(out_dtype), final
 
 
 def simple_gla_decode_step(
@@ -150,16 +194,30 @@ def causal_conv1d_prefill(
     [N, W-1, D], the last W-1 inputs before each sequence (zeros for a new one).
     Returns (y [T, D], new conv_state [N, W-1, D]).
     """
-    W = weight.shape[-1]
-    outs, states = [], []
-    for n in range(cu_seqlens.numel() - 1):
-        s, e = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
-        seq = torch.cat([conv_state[n].to(x.dtype), x[s:e]], 0)  # [W-1+L, D]
-        b = None if bias is None else bias.to(x.dtype)
-        y = F.conv1d(seq.t()[None], weight[:, None, :].to(x.dtype), b, groups=weight.shape[0])[0].t()
-        outs.append(y)
-        states.append(seq[seq.shape[0] - (W - 1) :])
-    return F.silu(torch.cat(outs, 0)), torch.stack(states).to(conv_state.dtype)
+    _check_packed(x.shape[0], cu_seqlens, conv_state, "causal_conv1d_prefill")
+    (D, W), N = weight.shape, conv_state.shape[0]
+    dev = x.device
+    w = weight[:, None, :].to(x.dtype)
+    b = None if bias is None else bias.to(x.dtype)
+    cu = cu_seqlens.to(dev, torch.long)
+    lens = cu[1:] - cu[:-1]
+    # One conv over the whole packed stream: right for every token but a sequence's first W-1,
+    # whose window reaches back past the sequence's start (into the previous sequence).
+    y = F.conv1d(F.pad(x.t()[None], (W - 1, 0)), w, b, groups=D)[0].t().contiguous()
+    # Those are redone from their true windows. Row n*(W-1) + i of `src` is conv_state[n, i],
+    # row N*(W-1) + t is token t; position p of sequence n (p < 0: its conv state) is row(n, p).
+    src = torch.cat([conv_state.to(x.dtype).reshape(N * (W - 1), D), x])
+
+    def row(n: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        return torch.where(p >= 0, N * (W - 1) + cu[n] + p, n * (W - 1) + (W - 1) + p)
+
+    # (sequence, position) of those tokens; a sequence shorter than W-1 has fewer.
+    head_seq, head_pos = (torch.arange(W - 1, device=dev) < lens[:, None]).nonzero(as_tuple=True)
+    window = src[row(head_seq[:, None], head_pos[:, None] - (W - 1) + torch.arange(W, device=dev))]  # [n, W, D]
+    y[cu[head_seq] + head_pos] = F.conv1d(window.transpose(1, 2), w, b, groups=D)[..., 0]
+    # The new state: the last W-1 inputs of each sequence, reaching into the old state when short.
+    tail = lens[:, None] - (W - 1) + torch.arange(W - 1, device=dev)  # [N, W-1] positions
+    return F.silu(y), src[row(torch.arange(N, device=dev)[:, None], tail)].to(conv_state.dtype)
 
 
 def causal_conv1d_step(

@@ -19,6 +19,8 @@ Tolerances (elementwise: |actual - ref| <= rtol * |ref| + atol_frac * max|ref|):
   measured by test_fla_agrees_with_float64_recurrence), so this bound is set by fla, not the kernel;
 - batch invariance and split-vs-whole prefill (fp32 vs fp32): rtol = atol_frac = 1e-6 (measured:
   batch invariance bit-exact here, split-vs-whole ~4.5e-7 normwise).
+Cost (a step of many prompts costs what its tokens cost) is checked by counting what the aten
+ops create (`OpOutputSizes`, a TorchDispatchMode), never by timing.
 Set GLA_TEST_REPORT=1 and run with -s to print every measured error.
 """
 
@@ -30,6 +32,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from vllm_trn_plugin.kernels.simple_gla import (
     causal_conv1d_prefill,
@@ -106,6 +110,21 @@ def ref_recurrence(q, k, v, aug, lam, scale, S0):
     if not outs:
         return v.new_zeros(0, H, dv), v.new_zeros(0, H, dv), S
     return torch.stack(outs), torch.stack(cores), S
+
+
+class OpOutputSizes(TorchDispatchMode):
+    """Records the element count of every tensor each aten op returns, and the number of ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numels: list[int] = []
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        self.numels += [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
 
 
 def cu_of(lengths) -> torch.Tensor:
@@ -322,6 +341,77 @@ def test_prefill_batch_invariance(H, dk, dv, lengths):
         assert_close(S[n : n + 1], S_n, INVARIANCE_TOL, f"batch invariance S seq{n} L={L}")
 
 
+# One long sequence among many short ones, in an order where chunk counts rise and fall and tie,
+# so that every way of numbering the real chunks shows; 0 = a sequence with no tokens this step.
+MIXED = (64, 1000, 1, 127, 128, 129, 300, 0, 5, 257) + (64,) * 12 + (129, 1)
+
+
+@pytest.mark.parametrize(
+    "H,dk,dv,lengths",
+    [pytest.param(3, 16, 24, MIXED, id="H3-dk16-dv24"), pytest.param(*REAL, (300, 1, 129, 64, 128, 64), id="real")],
+)
+def test_prefill_mixed_lengths_matches_recurrence(H, dk, dv, lengths):
+    q, k, v, aug, S0 = make_inputs(lengths, H, dk, dv, seed=8000 + H)
+    lam = ref_lambda(H, 1.0, 2048.0)
+    log_decay, scale = geometric_log_decay(H, 1.0, 2048.0), dk**-0.5
+    o, S = simple_gla_chunked_prefill(q, k, v, aug, log_decay, scale, cu_of(lengths), S0)
+    o_ref, _, S_ref = ref_packed(q, k, v, aug, lam, scale, lengths, S0)
+    assert_close(o, o_ref, FP32_TOL, f"mixed lengths o {H}x{dk}x{dv}")
+    assert_close(S, S_ref, FP32_TOL, f"mixed lengths S {H}x{dk}x{dv}")
+
+
+def test_prefill_memory_proportional_to_tokens():
+    """A step of one long and many short prompts must cost what its tokens cost.
+
+    Independent bound: chunked prefill pads each sequence to whole chunks, at most C-1 rows per
+    sequence, and a chunk row holds at most max(C, dk, dv) values per head (a row of scores, or
+    of q, k, v, o); a state is dk x dv per head and sequence. So no tensor an op creates may
+    exceed B = (T + N (C-1)) H max(C, dk, dv) + N H dk dv, and all of them together are a small
+    multiple of B (measured: largest 0.71 B, total 7.7 B; 0.74 B and 7.9 B at 4096 + 64 x 64.
+    Padding every sequence to the longest one's chunk count, as before, gave 4.4 B and 83 B
+    here, 16 B and 300 B at 4096 + 64 x 64).
+    """
+    H, dk, dv, C = 2, 16, 32, 128
+    lengths = (64, 1000, 1, 127, 128, 129, 300) + (64,) * 26
+    T, N = sum(lengths), len(lengths)
+    q, k, v, aug, S0 = make_inputs(lengths, H, dk, dv, seed=81)
+    lam = ref_lambda(H, 1.0, 2048.0)
+    log_decay, scale = geometric_log_decay(H, 1.0, 2048.0), dk**-0.5
+    with OpOutputSizes() as sizes:
+        o, S = simple_gla_chunked_prefill(q, k, v, aug, log_decay, scale, cu_of(lengths), S0)
+    bound = (T + N * (C - 1)) * H * max(C, dk, dv) + N * H * dk * dv
+    largest, total = max(sizes.numels), sum(sizes.numels)
+    assert largest <= bound, f"largest intermediate {largest} elements > {bound} (T={T}, N={N})"
+    assert total <= 16 * bound, f"elements created {total} > 16 x {bound} (T={T}, N={N})"
+    o_ref, _, S_ref = ref_packed(q, k, v, aug, lam, scale, lengths, S0)
+    assert_close(o, o_ref, FP32_TOL, "proportional step o")
+    assert_close(S, S_ref, FP32_TOL, "proportional step S")
+
+
+def _call_prefill(cu: torch.Tensor, T: int, N: int) -> None:
+    H, d = 2, 4
+    q = torch.randn(T, H, d)
+    simple_gla_chunked_prefill(q, q, q, torch.zeros(H, d), torch.full((H,), -0.1), 1.0, cu, torch.zeros(N, H, d, d))
+
+
+def _call_conv(cu: torch.Tensor, T: int, N: int) -> None:
+    causal_conv1d_prefill(torch.randn(T, 6), torch.randn(6, 4), None, cu, torch.zeros(N, 3, 6))
+
+
+@pytest.mark.parametrize("call", [_call_prefill, _call_conv], ids=["gla", "conv"])
+@pytest.mark.parametrize("cu", [[0, 4, 8], [0, 4, 12], [0, 6, 4, 10], [2, 6, 10]], ids=str)
+def test_prefill_rejects_cu_seqlens_not_matching_tokens(call, cu):
+    # 10 packed tokens: cu_seqlens ending short (tokens silently dropped), past the end, falling, not from 0.
+    with pytest.raises(ValueError, match=r"cu_seqlens must rise from 0 to the 10 packed tokens"):
+        call(torch.tensor(cu), 10, len(cu) - 1)
+
+
+@pytest.mark.parametrize("call", [_call_prefill, _call_conv], ids=["gla", "conv"])
+def test_prefill_rejects_state_of_other_batch(call):
+    with pytest.raises(ValueError, match=r"the state holds 3 sequences, cu_seqlens 2"):
+        call(torch.tensor([0, 4, 10]), 10, 3)
+
+
 # --------------------------------------------------------------------------- decode step
 
 
@@ -523,3 +613,29 @@ def test_conv_prefill_then_steps_with_padding(W):
         assert_close(y_pre[pre_cu[n] : pre_cu[n + 1]], ref[: lengths[n]], FP32_TOL, f"conv W={W} prefill seq{n}")
         assert_close(y_dec[n], ref[lengths[n] :], FP32_TOL, f"conv W={W} steps seq{n}")
         torch.testing.assert_close(pool[slot_of[n]], ref_conv_state(s, W), rtol=0, atol=0)
+
+
+def test_conv_prefill_mixed_lengths_one_pass():
+    """Many prompts in one step: the result of the float64 reference, in as many ops as for two.
+
+    A loop over sequences (host reads of cu_seqlens, one conv per sequence) stalls a device at
+    every prompt; the op count must not grow with the number of sequences.
+    """
+    gen = torch.Generator().manual_seed(90)
+    D, W = 8, 4
+    weight, bias = torch.randn(D, W, generator=gen), torch.randn(D, generator=gen)
+
+    def run(history, new):
+        seqs = [torch.randn(h + n, D, generator=gen) for h, n in zip(history, new, strict=True)]
+        conv_state = torch.stack([ref_conv_state(s[:h], W) for s, h in zip(seqs, history, strict=True)])
+        x = torch.cat([s[h:] for s, h in zip(seqs, history, strict=True)])
+        with OpOutputSizes() as counter:
+            y, state = causal_conv1d_prefill(x, weight, bias, cu_of(new), conv_state)
+        y_ref = torch.cat([ref_conv_silu(s, weight, bias)[h:] for s, h in zip(seqs, history, strict=True)])
+        assert_close(y, y_ref, FP32_TOL, f"conv mixed N={len(new)} y")
+        torch.testing.assert_close(state, torch.stack([ref_conv_state(s, W) for s in seqs]), rtol=0, atol=0)
+        return counter.ops
+
+    ops_two = run((0, 5), (300, 2))
+    ops_many = run((0, 1, 2, 0, 9) * 8, (300, 1, 2, 3, 64) * 8)
+    assert ops_many == ops_two, f"{ops_many} ops for 40 sequences vs {ops_two} for 2"
