@@ -298,3 +298,26 @@ def test_wrapper_rejects_what_the_kernel_cannot_run() -> None:
         run_kernel(Case(**{**vars(case), "block_table": case.block_table[:, :2]}), bucket=128)
     with pytest.raises(ValueError, match="multiple of 128"):
         run_kernel(case, bucket=100)
+
+
+def test_prefill_and_decode_normalise_keys_alike() -> None:
+    """The model's prefill (K rebuilt from the latents) and its absorbed decode give the same attention for the
+    same query, in bf16 too: both read each key's scale from the store, so a request's last prompt token (prefill)
+    and a decode step at the same position see the same keys (before, prefill normalised K rounded to bf16)."""
+    from types import SimpleNamespace
+
+    from vllm_trn_plugin.kernels.latent_decode_nki import gather_blocks, latent_decode_torch
+    from vllm_trn_plugin.model_executors.latent_attention import TrinityLatentAttention
+
+    case = make_case([700, 129], block_size=64, **REAL, cache_dtype=torch.bfloat16, q_dtype=torch.bfloat16)
+    decoded = latent_decode_torch(*case.args())
+    layer = SimpleNamespace(k_norm=SimpleNamespace(weight=case.gamma), scaling=case.scale)
+    Hkv, r, bs = case.w_k.shape[0], case.w_k.shape[2], case.block_size
+    worst = 0.0
+    for b, L in enumerate(case.seq_lens.tolist()):
+        ids = case.block_table[b, : -(-L // bs)].long()
+        c = gather_blocks(case.cache.view(-1, bs, r), ids, L)
+        s = case.key_scales.view(-1, bs, Hkv)[ids].reshape(-1, Hkv)[:L]
+        got = TrinityLatentAttention._prefill(layer, case.q[b : b + 1], c, s, case.w_k, case.w_v)[0]
+        worst = max(worst, float((got - decoded[b]).abs().max() / decoded[b].abs().max()))
+    assert worst < 1e-5, worst  # fp32 summation order only
