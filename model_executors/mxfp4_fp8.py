@@ -78,7 +78,7 @@ def _tracking(
         if name == "weight" and loaded_weight.dtype == torch.bfloat16 and param.dtype == FP8_DTYPE:
             # Never through vLLM's loader: its copy into the FP8 parameter would round it. Merged at the end.
             bf16_parts[shard] = loaded_weight
-            seen.add(("weight_scale", shard))
+            seen.add(("weight_scale", shard))  # a bf16 matrix has no scale to wait for
         else:
             loader(param, loaded_weight, *args, **kwargs)
         seen.add((name, shard))
@@ -160,7 +160,8 @@ class Fp8RowLinearMethod(LinearMethodBase):
 
 
 class Fp8LMHeadMethod(Fp8RowLinearMethod):
-    """FP8 LM head: the same FP8 x FP8 math, no bias correction."""
+    """FP8 LM head: the same FP8 x FP8 math, no bias correction. Never held in bf16: its checkpoint rows are FP8
+    values with one scale each, exact however many octaves a row spans, so the reader never decodes one to bf16."""
 
     params = ("weight", "weight_scale")
 
@@ -218,6 +219,7 @@ class Fp8RowMoEMethod(FusedMoEMethodBase):
                 )
             if loaded_weight.dtype == torch.bfloat16 and dst.dtype == FP8_DTYPE:  # opt-in; merged at the end
                 self.bf16_parts[(param_name, expert_id, shard_id)] = loaded_weight
+                # a bf16 matrix has no scale to wait for
                 self.seen.add((param_name.replace("weight", "weight_scale"), (expert_id, shard_id)))
             else:
                 dst.copy_(loaded_weight)
@@ -304,14 +306,20 @@ def packed_weights(
 
 def check_all_loaded(model: torch.nn.Module, loaded: set[str]) -> None:
     """Every parameter filled, and every shard / expert of each FP8 parameter (vLLM itself checks completeness
-    only for unquantized models, and only per parameter)."""
-    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    only for unquantized models, and only per parameter).
+
+    The FP8 layers' parameters are judged by their methods' own bookkeeping, not by `loaded`: a matrix that came
+    in bf16 needs no scale, so a parameter such as a bf16 down_proj's `weight_scale` is complete though the
+    checkpoint never named it."""
+    tracked: set[str] = set()
+    for prefix, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, (Fp8RowLinearMethod, Fp8RowMoEMethod)):
+            _check_complete(module, method.seen, method.expected)
+            tracked |= {f"{prefix}.{name}" for name in method.expected}
+    missing = sorted(set(dict(model.named_parameters())) - loaded - tracked)
     if missing:
         raise CheckpointFormatError(
             f"{type(model).__name__}: the checkpoint has no tensor for {len(missing)} parameter(s): "
             f"{', '.join(missing[:8])}"
         )
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if isinstance(method, (Fp8RowLinearMethod, Fp8RowMoEMethod)):
-            _check_complete(module, method.seen, method.expected)
