@@ -5,7 +5,7 @@ conventions):
 
 - ``<m>.weight_packed`` uint8 [out, in/2] and ``<m>.weight_scale`` uint8 [out, in/32]: MXFP4
   (``mxfp4-pack-quantized``), and ``<m>.bias`` bf16 [out] (the bias-correction vector) for every
-  quantized matrix ``<m>``;
+  quantized matrix ``<m>`` (or for none: compressed-tensors writes none, read as zero);
 - ``lm_head.weight`` float8_e4m3fn [vocab, hidden] with |x| <= 240 and ``lm_head.weight_scale``
   float32 [vocab, 1] (compressed-tensors ``float-quantized``, channel strategy);
 - everything else as in the unpacked checkpoint.
@@ -49,12 +49,14 @@ __all__ = [
     "LM_HEAD",
     "PACKED_FORMAT",
     "PackReport",
+    "StoredWeight",
     "declares_packed",
     "is_packed_checkpoint",
     "iter_checkpoint",
     "pack",
     "quantization_config",
     "quantize_fp8_rows",
+    "stored_weights",
 ]
 
 logger = logging.getLogger(__name__)
@@ -289,6 +291,40 @@ def _check_pair(
         raise CheckpointFormatError(f"{where}: checkpoint also holds the unpacked {out}")
 
 
+def _checked_headers(root: Path) -> tuple[dict[str, _Entry], dict[str, tuple[str, str, str] | None]]:
+    """Every tensor's header entry and role; a broken pair fails here, before anything is read."""
+    entries = _scan_dir(root)
+    roles = {name: _role(name, entry) for name, entry in entries.items()}
+    for name, entry in entries.items():
+        _check_pair(name, entry, roles, entries)
+    return entries, roles
+
+
+@dataclass(frozen=True)
+class StoredWeight:
+    """How a checkpoint stores one module's weight: ``kind`` "mxfp4" (codes and E8M0 block scales), "fp8" (FP8
+    weight and row scales) or "plain", in ``file`` under ``tensor`` (the codes, or the weight)."""
+
+    kind: str
+    file: str
+    tensor: str
+
+
+def stored_weights(path_dir: str | Path) -> dict[str, StoredWeight]:
+    """Every module's weight in a checkpoint directory by module name (``<m>`` of ``<m>.weight`` or
+    ``<m>.weight_packed``; a gpt-oss ``<p>_blocks`` pair under ``<p>``), from the safetensors headers alone."""
+    entries, roles = _checked_headers(Path(path_dir))
+    out: dict[str, StoredWeight] = {}
+    for name, e in entries.items():
+        role = roles[name]
+        if role is None and name.endswith(".weight"):
+            out[name.removesuffix(".weight")] = StoredWeight("plain", str(e.file), name)
+        elif role is not None and role[0] != "scale":
+            kind = "fp8" if role[0] == "fp8" else "mxfp4"
+            out[role[1].removesuffix(".weight")] = StoredWeight(kind, str(e.file), name)
+    return out
+
+
 def iter_checkpoint(
     path_dir: str | Path, *, allow_bf16: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | ExpandedMatrix]]:
@@ -297,16 +333,25 @@ def iter_checkpoint(
     Yields ``(name, tensor)`` for plain tensors and ``(name, ExpandedMatrix)`` for quantized ones:
     ``<m>.weight_packed`` + ``<m>.weight_scale`` -> ``<m>.weight`` (exact FP8 + per-row scale, see
     ``expand_rows``); gpt-oss ``<p>_blocks`` + ``<p>_scales`` -> ``<p>`` (leading dims kept);
-    FP8 ``<m>.weight`` + ``<m>.weight_scale`` (LM head) -> ``<m>.weight``. Peak extra memory is about
+    FP8 ``<m>.weight`` + ``<m>.weight_scale`` (LM head) -> ``<m>.weight``; when no MXFP4 matrix has a
+    ``<m>.bias`` (compressed-tensors' files), a zero bf16 one follows each. Peak extra memory is about
     one expanded matrix. Headers are all checked before the first tensor is yielded, so a missing
     partner, a duplicate or a truncated file fails early; every error names the file and tensor.
     With ``allow_bf16`` a matrix that cannot be exact in FP8 comes back as bf16 (``note`` set, also
     logged as a warning); the caller must report it.
     """
-    entries = _scan_dir(Path(path_dir))
-    roles = {name: _role(name, entry) for name, entry in entries.items()}
-    for name, entry in entries.items():  # headers only: a broken pair fails before anything is read
-        _check_pair(name, entry, roles, entries)
+    entries, roles = _checked_headers(Path(path_dir))
+    # compressed-tensors writes no bias-correction vectors: then each MXFP4 matrix gets a zero one. A checkpoint
+    # with some must have all (serving without a lost vector would silently change the model).
+    codes = {role[1]: name for name, role in roles.items() if role is not None and role[0] == "mxfp4"}
+    unbiased = [name for out, name in codes.items() if out.removesuffix(".weight") + ".bias" not in entries]
+    zero_bias = len(unbiased) == len(codes)
+    if unbiased and not zero_bias:
+        name = unbiased[0]
+        raise CheckpointFormatError(
+            f"{entries[name].file}: tensor {name}: no bias vector {name.removesuffix(CT_PACKED_SUFFIX)}.bias, "
+            f"while {len(codes) - len(unbiased)} other MXFP4 matrices have one"
+        )
 
     with ExitStack() as stack:
         reader = _Reader(stack)
@@ -332,6 +377,8 @@ def iter_checkpoint(
             if m.note:
                 logger.warning(m.note)
             yield out, m
+            if kind == "mxfp4" and zero_bias:
+                yield out.removesuffix(".weight") + ".bias", torch.zeros(m.weight.shape[:-1], dtype=_BIAS_DTYPE)
 
 
 def quantize_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

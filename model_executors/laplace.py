@@ -243,8 +243,10 @@ class LaplaceModel(nn.Module):
 
 
 class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
-    # Checkpoint names that vLLM fuses: (fused param, checkpoint name, shard id).
+    # Checkpoint names that vLLM fuses: (fused param, checkpoint name, shard id); the same fusion as vLLM's
+    # quantization configs read it.
     stacked_params_mapping = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

@@ -8,6 +8,7 @@ long prompts are prefilled in chunks) and every HTTP test the single `laplace_se
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import subprocess
@@ -82,6 +83,25 @@ def greedy_params(max_tokens: int, logprobs: int = 2):  # noqa: ANN201
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, ignore_eos=True)
 
 
+def greedy_logits(
+    llm: object, prompts: list[list[int]], steps: int, vocab: int
+) -> list[tuple[list[int], torch.Tensor]]:
+    """Greedy tokens and the full logits [steps, vocab] each was chosen from (an engine built with
+    `max_logprobs=vocab` and `logprobs_mode="raw_logits"`)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=steps, temperature=0.0, logprobs=vocab, ignore_eos=True)
+    out = []
+    for o in llm.generate(token_prompts(prompts), params, use_tqdm=False):
+        c = o.outputs[0]
+        logits = torch.full((len(c.token_ids), vocab), -math.inf, dtype=torch.float64)
+        for i, top in enumerate(c.logprobs):
+            for tok, lp in top.items():
+                logits[i, tok] = lp.logprob
+        out.append((list(c.token_ids), logits))
+    return out
+
+
 def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
     """Wrap module.name so its calls are counted (calls[0]): proves a path really ran."""
     calls = [0]
@@ -153,10 +173,10 @@ class _Servers:
     def __init__(self, root: Path) -> None:
         self.root, self.running = root, {}
 
-    def get(self, model: str) -> Server:
-        if model not in self.running:
-            self.running[model] = _start_server(self.root / model, model)
-        return self.running[model]
+    def get(self, model: str, dtype: str = "bfloat16") -> Server:
+        if (model, dtype) not in self.running:
+            self.running[model, dtype] = _start_server(self.root / f"{model}-{dtype}", model, dtype)
+        return self.running[model, dtype]
 
     def stop(self) -> None:
         for s in self.running.values():
@@ -167,12 +187,13 @@ class _Servers:
                 s.proc.kill()
 
 
-def _start_server(root: Path, model: str) -> Server:
-    """The default (bf16) demo checkpoint, eager mode (the engine tests cover compiled mode)."""
+def _start_server(root: Path, model: str, dtype: str) -> Server:
+    """The demo checkpoint in `dtype` (bf16: as `make serve` serves it), eager mode (the engine tests cover compiled
+    mode)."""
     root.mkdir(parents=True)
     ckpt = root / f"demo-{model}"
     vllm_trn = str(Path(sys.executable).parent / "vllm-trn")  # the installed console command
-    subprocess.run([vllm_trn, "demo", model, str(ckpt)], check=True)
+    subprocess.run([vllm_trn, "demo", model, str(ckpt), "--dtype", dtype], check=True)
     port = _free_port()
     log = root / "server.log"
     cmd = [vllm_trn, "serve", str(ckpt), "--port", str(port)]
