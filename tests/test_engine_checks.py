@@ -61,6 +61,7 @@ def test_gla_metadata_on_the_model_device(laplace_ckpt: Path) -> None:
     state pools is on that device; only the token offsets, which split the packed batch on the host, are not."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import MambaSpec
 
     from vllm_trn_plugin.model_executors.gla_state import GLAStateMetadataBuilder
     from vllm_trn_plugin.model_executors.laplace import LaplaceForCausalLM
@@ -82,8 +83,6 @@ def test_gla_metadata_on_the_model_device(laplace_ckpt: Path) -> None:
         block_table_tensor=torch.arange(4).view(4, 1).to(meta),
         slot_mapping=torch.zeros(10, dtype=torch.long).to(meta),
     )
-    from vllm.v1.kv_cache_interface import MambaSpec
-
     spec = MambaSpec(block_size=2048, shapes=spec_shapes, dtypes=(torch.float32, torch.float32))
     with set_current_vllm_config(cfg):
         builder = GLAStateMetadataBuilder(spec, ["model.layers.0.mixer"], cfg, meta)

@@ -35,15 +35,14 @@ def _add_splitting_ops(vllm_config: VllmConfig) -> None:
 
 def _refuse_state_corrupting(vllm_config: VllmConfig, arch: str, speculative: str, block_movers: str) -> None:
     """Raise, naming the option and why (`speculative`, `block_movers`), for the features `arch` cannot honour."""
-    refused = []
+    option, why = None, None
     if vllm_config.speculative_config is not None:
-        refused.append(("--speculative-config (speculative decoding)", speculative))
-    if vllm_config.cache_config.kv_offloading_size is not None:
-        refused.append(("--kv-offloading-size (KV offloading)", block_movers))
+        option, why = "--speculative-config (speculative decoding)", speculative
+    elif vllm_config.cache_config.kv_offloading_size is not None:
+        option, why = "--kv-offloading-size (KV offloading)", block_movers
     elif vllm_config.kv_transfer_config is not None:  # offloading sets one too, later
-        refused.append(("--kv-transfer-config (KV connectors, disaggregated prefill)", block_movers))
-    if refused:
-        option, why = refused[0]
+        option, why = "--kv-transfer-config (KV connectors, disaggregated prefill)", block_movers
+    if option is not None:
         raise ValueError(f"{arch} cannot be served with {option}: {why}")
 
 
