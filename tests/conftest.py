@@ -197,7 +197,8 @@ def _start_server(root: Path, model: str, dtype: str) -> Server:
     port = _free_port()
     log = root / "server.log"
     cmd = [vllm_trn, "serve", str(ckpt), "--port", str(port)]
-    cmd += ["--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "4096"]
+    # --dtype explicitly: vLLM serves a float32 checkpoint in bf16 unless told otherwise.
+    cmd += ["--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "4096", "--dtype", dtype]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -207,6 +208,9 @@ def _start_server(root: Path, model: str, dtype: str) -> Server:
             pytest.fail(f"vllm-trn serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
         try:
             if requests.get(url + "/health", timeout=2).status_code == 200:
+                if f"dtype=torch.{dtype}," not in log.read_text():  # the engine's config line
+                    proc.kill()
+                    pytest.fail(f"vllm-trn serve of {ckpt} does not run in {dtype}: see {log}")
                 return Server(url, str(ckpt), proc, log)
         except requests.ConnectionError:
             pass

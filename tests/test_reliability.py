@@ -47,36 +47,12 @@ WAVE = soak.SoakConfig(
 )
 
 
-# A defect found by this test and not yet fixed: under a wave with disconnects, MLA-Trinity's complete streams
-# diverge from the same prompt served alone (float32, on an AVX2-only machine: 154 of 192 equal, largest logprob gap
-# where equal 0.12; bf16 the same count, also at 4499693). Without disconnects all 256 are equal (gap 1.7e-5); with
-# kv_lora_rank 1024 (latent blocks as large as the sliding ones) all 192 are equal (gap 1.6e-5); vLLM's built-in
-# AfmoeForCausalLM of the same geometry passes too (192 of 192, gap 9.7e-6), and so does the plugin's demo served with
-# --no-enable-prefix-caching (192 of 192, gap 1.7e-5), though no request of the wave has a cache hit (prompts of
-# 4-40 tokens, blocks of 128 and 512). So it takes aborted requests, prefix caching on, and the production layout
-# (latent blocks 4x the sliding ones); whether the plugin's latent path or vLLM's block handling for groups of
-# different block sizes is at fault is not yet known. Not strict: the wave passed on an AVX-512 machine (the soak's
-# 12 waves in docs/serving-trn2.md).
-ABORT_DEFECT = pytest.mark.xfail(
-    reason="MLA-Trinity: aborted requests corrupt other requests' outputs (see the comment above)", strict=False
-)
-# Laplace, float32, once in three runs of this wave here (the other two: 192 of 192 equal): 191 of 192 equal and a
-# largest logprob gap where equal of 0.107, the one divergence at a position where the prompt's run *alone* had two
-# tokens at exactly the same logprob (-1.8901125192642212), which float32 noise cannot produce: a corrupted state,
-# in the wave or in the reference run. The prefill kernels rewritten in this change give bit-identical outputs and
-# states to the earlier ones on 300 random mixed batches (lengths 1-11, random states, 4-token chunks).
-LAPLACE_DEFECT = pytest.mark.xfail(
-    reason="Laplace: a state corrupted now and then under a wave with disconnects (see the comment above)", strict=False
-)
-
-
 @pytest.fixture(scope="module", params=["laplace", "mla-trinity"])
 def server(request, servers):  # noqa: ANN001, ANN201
     return servers.get(request.param, "float32")
 
 
-def test_wave_of_256_streams_with_disconnects(server, request) -> None:  # noqa: ANN001
-    request.applymarker(ABORT_DEFECT if "mla-trinity" in request.node.name else LAPLACE_DEFECT)
+def test_wave_of_256_streams_with_disconnects(server) -> None:  # noqa: ANN001
     rss_before = soak.resident_memory(server.proc.pid)["total"]
     r = soak.soak(server.url, server.model, server.proc.pid, WAVE, log=lambda _: None)
     print("\n" + soak.format_report(r))
