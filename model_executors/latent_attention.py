@@ -45,6 +45,7 @@ from vllm_trn_plugin.kernels.latent_decode_nki import gather_blocks
 
 logger = init_logger(__name__)
 
+
 def key_scale_bytes_per_latent_byte(config, dtype: torch.dtype) -> float:  # noqa: ANN001  (AfmoeConfig)
     """The key-scale store's bytes per byte of latent cache: one fp32 per KV head per r-wide latent row."""
     return config.num_key_value_heads * 4 / (config.kv_lora_rank * dtype.itemsize)
