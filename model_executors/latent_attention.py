@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
@@ -46,9 +47,24 @@ from vllm_trn_plugin.kernels.latent_decode_nki import gather_blocks
 logger = init_logger(__name__)
 
 
-def key_scale_bytes_per_latent_byte(config, dtype: torch.dtype) -> float:  # noqa: ANN001  (AfmoeConfig)
-    """The key-scale store's bytes per byte of latent cache: one fp32 per KV head per r-wide latent row."""
-    return config.num_key_value_heads * 4 / (config.kv_lora_rank * dtype.itemsize)
+def kv_heads_of_rank(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:
+    """The KV heads a tensor-parallel rank serves, as vLLM's QKVParallelLinear places them: contiguous groups when
+    the heads divide among the ranks, one head replicated over tp_size / num_kv_heads ranks when there are fewer."""
+    if num_kv_heads >= tp_size:
+        if num_kv_heads % tp_size:
+            raise ValueError(f"--tensor-parallel-size {tp_size} does not divide the {num_kv_heads} KV heads")
+        n = num_kv_heads // tp_size
+        return range(tp_rank * n, (tp_rank + 1) * n)
+    if tp_size % num_kv_heads:
+        raise ValueError(f"--tensor-parallel-size {tp_size} is not a multiple of the {num_kv_heads} KV heads")
+    head = tp_rank // (tp_size // num_kv_heads)
+    return range(head, head + 1)
+
+
+def key_scale_bytes_per_latent_byte(config, dtype: torch.dtype, tp_size: int = 1) -> float:  # noqa: ANN001
+    """The key-scale store's bytes per byte of latent cache on one rank: one fp32 per KV head of the rank per r-wide
+    latent row (every rank caches the whole latent)."""
+    return len(kv_heads_of_rank(config.num_key_value_heads, tp_size, 0)) * 4 / (config.kv_lora_rank * dtype.itemsize)
 
 
 def reserve_key_scale_budget(vllm_config: VllmConfig) -> None:
@@ -65,7 +81,11 @@ def reserve_key_scale_budget(vllm_config: VllmConfig) -> None:
     budget = cache.kv_cache_memory_bytes
     if not budget or _reserved.get(id(cache)) == budget:  # already reserved for this config
         return
-    ratio = key_scale_bytes_per_latent_byte(vllm_config.model_config.hf_config, vllm_config.model_config.dtype)
+    ratio = key_scale_bytes_per_latent_byte(
+        vllm_config.model_config.hf_config,
+        vllm_config.model_config.dtype,
+        vllm_config.parallel_config.tensor_parallel_size,
+    )
     cache.kv_cache_memory_bytes = int(budget / (1 + ratio))
     _reserved[id(cache)] = cache.kv_cache_memory_bytes
     logger.info(
@@ -127,24 +147,38 @@ class LatentAttentionBackend(AttentionBackend):
 
 
 class TrinityLatentAttention(nn.Module, AttentionLayerBase):
-    """Gated GQA attention whose keys and values come from a cached r-wide latent (no RoPE)."""
+    """Gated GQA attention whose keys and values come from a cached r-wide latent (no RoPE).
+
+    Under tensor parallelism every rank computes and caches the whole latent (kv_a_proj replicated) and serves its
+    own query heads (q, gate: column-parallel) and the KV heads they read (its rows of kv_b_proj, its columns of the
+    key-scale store); o_proj is row-parallel, one all-reduce, as in vLLM's attention layers.
+    """
 
     def __init__(self, config, prefix: str = "") -> None:  # noqa: ANN001  (AfmoeConfig + kv_lora_rank)
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        tp_size, tp_rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        if config.num_attention_heads % tp_size:
+            raise ValueError(
+                f"--tensor-parallel-size {tp_size} does not divide the {config.num_attention_heads} attention heads"
+            )
+        self.num_heads = config.num_attention_heads // tp_size
+        self.kv_heads = kv_heads_of_rank(config.num_key_value_heads, tp_size, tp_rank)
+        self.num_kv_heads = len(self.kv_heads)
+        self.total_num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.scaling = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
         self.prefix = prefix
-        H, Hkv, hd, r = self.num_heads, self.num_kv_heads, self.head_dim, self.kv_lora_rank
+        H, Hkv, hd, r = config.num_attention_heads, self.num_kv_heads, self.head_dim, self.kv_lora_rank
 
+        # Column- and row-parallel layers take the total head width and keep this rank's part.
         self.q_proj = ColumnParallelLinear(config.hidden_size, H * hd, bias=False, prefix=f"{prefix}.q_proj")
         self.kv_a_proj = ReplicatedLinear(config.hidden_size, r, bias=False, prefix=f"{prefix}.kv_a_proj")
         # Read as a matrix by the attention math itself (split per head, folded into q and the
         # output), so a plain parameter: vLLM's CPU linear methods may repack theirs.
         self.kv_b_proj = nn.Linear(r, 2 * Hkv * hd, bias=False)
+        self.kv_b_proj.weight.weight_loader = self._load_kv_b_proj
         self.gate_proj = ColumnParallelLinear(config.hidden_size, H * hd, bias=False, prefix=f"{prefix}.gate_proj")
         self.o_proj = RowParallelLinear(H * hd, config.hidden_size, bias=False, prefix=f"{prefix}.o_proj")
         self.q_norm = RMSNorm(hd, eps=config.rms_norm_eps)
@@ -180,6 +214,17 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         torch.ops.vllm.trn_latent_attention(q, latent, out, self.prefix)
         gate = self.gate_proj(hidden_states)[0]
         return self.o_proj(out * torch.sigmoid(gate))[0]
+
+    def _load_kv_b_proj(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """The checkpoint's kv_b_proj ([keys of all KV heads; their values], r columns): this rank's heads' rows."""
+        Hkv, hd, r = self.total_num_kv_heads, self.head_dim, self.kv_lora_rank
+        if tuple(loaded.shape) != (2 * Hkv * hd, r):
+            raise ValueError(
+                f"checkpoint tensor {self.prefix}.kv_b_proj.weight: shape {tuple(loaded.shape)}, "
+                f"model expects {(2 * Hkv * hd, r)}"
+            )
+        heads = loaded.view(2, Hkv, hd, r)[:, self.kv_heads.start : self.kv_heads.stop]
+        param.data.copy_(heads.reshape(param.shape))
 
     # --- the cached part, run eagerly inside the custom op ---
     def _kv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

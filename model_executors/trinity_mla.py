@@ -97,8 +97,13 @@ class TrinityMLAModel(nn.Module):
         if getattr(config, "kv_lora_rank", None) is None:
             raise ValueError("TrinityMLAForCausalLM: config.json needs `kv_lora_rank` (the latent width)")
         parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size != 1 or parallel.tensor_parallel_size != 1:
-            raise ValueError("TrinityMLAForCausalLM: tensor and pipeline parallelism are not supported yet (size 1)")
+        if parallel.pipeline_parallel_size != 1:
+            raise ValueError("TrinityMLAForCausalLM: --pipeline-parallel-size must be 1 (no pipeline stages)")
+        if parallel.tensor_parallel_size > 1 and isinstance(vllm_config.quant_config, TrnMxfp4Fp8Config):
+            raise ValueError(
+                "TrinityMLAForCausalLM: a packed (MXFP4/FP8) checkpoint is served at --tensor-parallel-size 1 only "
+                "for now: its FP8 rows are not yet sharded at load"
+            )
         reserve_key_scale_budget(vllm_config)
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -197,11 +202,18 @@ class TrinityMLAForCausalLM(AfmoeForCausalLM):
                 if name not in params:
                     raise ValueError(f"checkpoint tensor {name} has no place in TrinityMLAForCausalLM")
                 param = params[name]
-                if param.shape != tensor.shape:
+                loader = getattr(param, "weight_loader", None)
+                if loader is None and param.shape != tensor.shape:
                     raise ValueError(
                         f"checkpoint tensor {name}: shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
                     )
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                try:  # vLLM's parallel loaders keep this rank's part, and assert that it fits
+                    (loader or default_weight_loader)(param, tensor)
+                except AssertionError as e:
+                    raise ValueError(
+                        f"checkpoint tensor {name}: shape {tuple(tensor.shape)} does not fit the model's "
+                        f"{tuple(param.shape)} on each tensor-parallel rank"
+                    ) from e
                 loaded.add(name)
 
         loaded |= AutoWeightsLoader(self).load_weights(rest(), mapper=self.hf_to_vllm_mapper)

@@ -85,6 +85,11 @@ def test_bad_tensors_are_named(tmp_path) -> None:
             "trinity-shape",
             lambda t: t.update({latent + "kv_a_proj.weight": torch.zeros(128, 512)}),
         ): (latent + "kv_a_proj.weight"),
+        variant(  # kv_b_proj is sliced per tensor-parallel rank by the plugin's own loader
+            write_trinity_demo,
+            "trinity-kv-b-shape",
+            lambda t: t.update({latent + "kv_b_proj.weight": torch.zeros(1024, 128)}),
+        ): (latent + "kv_b_proj.weight"),
     }
 
     # Packed checkpoints (vllm-trn pack of the demos): every broken file is named with its tensor (and row).

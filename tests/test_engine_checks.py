@@ -91,3 +91,37 @@ def test_gla_metadata_on_the_model_device(laplace_ckpt: Path) -> None:
     for name in ("decode_slots", "decode_fresh", "prefill_slots", "prefill_has_state"):
         assert getattr(m, name).device == meta, name
     assert m.prefill_cu_seqlens.device.type == "cpu" and m.prefill_cu_seqlens.tolist() == [0, 5, 8]
+
+
+def test_cpu_workers_get_a_binding_unless_the_user_gave_one(
+    trinity_ckpt: Path, laplace_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two workers on a host whose NUMA nodes cannot give each its own: the plugin splits the allowed cores between
+    them (vLLM's automatic binding refuses); a later one-worker config drops that binding; the user's own is kept."""
+    import os
+
+    from vllm.utils import cpu_resource_utils
+
+    from vllm_trn_plugin.engine_checks import THREADS_BIND
+
+    if len(cpu_resource_utils.get_visible_memory_node()) >= 2:
+        pytest.skip("two NUMA nodes: vLLM's own binding places two workers")
+    cpus = sorted(c.id for c in cpu_resource_utils.get_allowed_cpu_list())
+    monkeypatch.setenv(THREADS_BIND, "unset below; restored unset after the test")
+    monkeypatch.delenv(THREADS_BIND)
+
+    _config(trinity_ckpt, tensor_parallel_size=2)
+    groups = [[int(c) for c in g.split(",")] for g in os.environ[THREADS_BIND].split("|")]
+    assert len(groups) == 2 and all(groups) and sorted(groups[0] + groups[1]) == cpus[: len(cpus) // 2 * 2]
+    _config(laplace_ckpt)  # one worker: vLLM's default again
+    assert THREADS_BIND not in os.environ
+
+    monkeypatch.setenv(THREADS_BIND, f"{cpus[0]}|{cpus[-1]}")
+    _config(trinity_ckpt, tensor_parallel_size=2)
+    assert os.environ[THREADS_BIND] == f"{cpus[0]}|{cpus[-1]}"
+    monkeypatch.delenv(THREADS_BIND)
+
+    more = 1 << len(cpus).bit_length()  # more workers than cores, a power of two (it must divide the 32 heads)
+    if more <= 32:
+        with pytest.raises(ValueError, match=f"{more} CPU workers .* need a core each"):
+            _config(trinity_ckpt, tensor_parallel_size=more)

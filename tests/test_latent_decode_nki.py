@@ -20,6 +20,7 @@ from vllm_trn_plugin.kernels.latent_decode_nki import (
     latent_decode_cost,
     latent_decode_nki,
     latent_decode_reference,
+    latent_decode_torch,
     pick_bucket,
 )
 from vllm_trn_plugin.kernels.nki_shim import simulate
@@ -257,7 +258,7 @@ def test_unwritten_rows_and_stale_table_entries_have_no_effect() -> None:
 def test_torch_path_agrees_with_reference() -> None:
     """The model's torch path (`latent_decode_torch`: one sequence at a time, DECODE_TILE-key tiles, online softmax)
     computes the same op, across a tile boundary."""
-    from vllm_trn_plugin.kernels.latent_decode_nki import DECODE_TILE, latent_decode_torch
+    from vllm_trn_plugin.kernels.latent_decode_nki import DECODE_TILE
 
     lens = [1, 300, DECODE_TILE + 700]
     case = make_case(lens, 16, **REAL, seed=6)
@@ -321,3 +322,45 @@ def test_prefill_and_decode_normalise_keys_alike() -> None:
         got = TrinityLatentAttention._prefill(layer, case.q[b : b + 1], c, s, case.w_k, case.w_v)[0]
         worst = max(worst, float((got - decoded[b]).abs().max() / decoded[b].abs().max()))
     assert worst < 1e-5, worst  # fp32 summation order only
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_each_tensor_parallel_rank_decodes_its_heads_of_the_whole_layer(tp: int) -> None:
+    """Trinity-Mini's 32 query / 4 KV heads split over `tp` ranks (8: more ranks than KV heads, each KV head on two)
+    as the model places them (`kv_heads_of_rank`, q heads contiguous): a rank's absorbed decode from the whole latent
+    and its own KV heads' W_k, W_v and key scales equals the whole layer's output for its query heads; every head
+    is served, the KV heads read are the ones GQA assigns."""
+    from vllm_trn_plugin.model_executors.latent_attention import kv_heads_of_rank
+
+    H, Hkv = 32, 4
+    case = make_case([5, 300, 131], block_size=64, H=H, Hkv=Hkv, hd=32, r=64, seed=3)
+    whole = latent_decode_torch(*case.args())
+    served = torch.zeros(H, dtype=torch.bool)
+    for rank in range(tp):
+        kv = kv_heads_of_rank(Hkv, tp, rank)
+        q_heads = range(rank * H // tp, (rank + 1) * H // tp)
+        assert {h // (H // Hkv) for h in q_heads} <= set(kv)
+        mine = slice(kv.start, kv.stop)
+        out = latent_decode_torch(
+            case.q[:, q_heads.start : q_heads.stop],
+            case.gamma,
+            case.w_k[mine],
+            case.w_v[mine],
+            case.cache,
+            case.key_scales[:, mine],
+            case.block_table,
+            case.seq_lens,
+            case.scale,
+            case.block_size,
+        )
+        torch.testing.assert_close(out, whole[:, q_heads.start : q_heads.stop], rtol=1e-6, atol=1e-6)
+        served[q_heads.start : q_heads.stop] = True
+    assert served.all()
+
+
+def test_tensor_parallel_sizes_the_heads_do_not_allow_are_refused() -> None:
+    from vllm_trn_plugin.model_executors.latent_attention import kv_heads_of_rank
+
+    for tp, what in [(3, "does not divide the 4 KV heads"), (6, "is not a multiple of the 4 KV heads")]:
+        with pytest.raises(ValueError, match=f"--tensor-parallel-size {tp} {what}"):
+            kv_heads_of_rank(4, tp, 0)

@@ -7,6 +7,9 @@ hooks, `MODELS_CONFIG_MAP`), before any engine or worker process starts.
   key-scale store beside vLLM's latent blocks (model_executors/latent_attention.py), so anything that moves or
   copies blocks outside the model's forward (KV connectors, KV offloading, disaggregated prefill) would move
   latents without their scales; and its speculative decoding has not been verified against the latent cache.
+- Set on CPU when the user has not: a thread binding for several local workers (tensor parallelism on one NUMA
+  node). vLLM's automatic binding gives each worker a NUMA node of its own and fails with fewer nodes than workers
+  (a 2-core host at --tensor-parallel-size 2); the plugin then splits the allowed cores evenly among the workers.
 - Added: the plugin's stateful custom ops as vLLM splitting ops. They read the forward context and branch on it
   (profiling runs have no metadata) and choose experts on the host, so a piecewise CUDA graph must never capture
   them: vLLM runs splitting ops eagerly between the captured pieces, as it does its own attention ops.
@@ -14,12 +17,16 @@ hooks, `MODELS_CONFIG_MAP`), before any engine or worker process starts.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
+from vllm.logger import init_logger
 from vllm.model_executor.models.config import MambaModelConfig, VerifyAndUpdateConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
 
 # Opaque ops whose work depends on runtime metadata or data (defined in model_executors/).
 STATEFUL_OPS = ("vllm::trn_laplace_mixer", "vllm::trn_latent_attention", "vllm::trn_fp8_experts")
@@ -31,6 +38,39 @@ def _add_splitting_ops(vllm_config: VllmConfig) -> None:
     cc = vllm_config.compilation_config
     ops = list(CompilationConfig._attention_ops) if cc.splitting_ops is None else list(cc.splitting_ops)
     cc.splitting_ops = ops + [op for op in STATEFUL_OPS if op not in ops]
+
+
+THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+_bound: list[str] = []  # the binding this process set (recomputed for each engine config it builds)
+
+
+def bind_cpu_workers(vllm_config: VllmConfig) -> None:
+    """Set VLLM_CPU_OMP_THREADS_BIND (read when the engine starts its workers, in processes started after this) to
+    the allowed cores split evenly among the local workers, where vLLM's automatic per-NUMA-node binding cannot
+    place them. A binding the user set is kept as it is."""
+    from vllm.platforms import current_platform
+    from vllm.utils import cpu_resource_utils
+
+    if not current_platform.is_cpu() or os.environ.get(THREADS_BIND) not in (None, *_bound[-1:]):
+        return
+    if _bound:  # ours, from an earlier engine config: this one decides afresh
+        os.environ.pop(THREADS_BIND, None)
+        _bound.clear()
+    p = vllm_config.parallel_config
+    workers = p.local_world_size * max(1, p.data_parallel_size_local)  # vLLM slices the list per local DP rank
+    if workers == 1 or len(cpu_resource_utils.get_visible_memory_node()) >= workers:
+        return
+    cpus = sorted(c.id for c in cpu_resource_utils.get_allowed_cpu_list())
+    if len(cpus) < workers:
+        raise ValueError(
+            f"{workers} CPU workers (--tensor-parallel-size x --pipeline-parallel-size x local data-parallel size) "
+            f"need a core each, and this process may use {len(cpus)}; set {THREADS_BIND} yourself or use fewer"
+        )
+    n = len(cpus) // workers
+    mask = "|".join(",".join(map(str, cpus[i * n : (i + 1) * n])) for i in range(workers))
+    os.environ[THREADS_BIND] = mask
+    _bound.append(mask)
+    logger.info("%s=%r: %d workers on one NUMA node, %d cores each", THREADS_BIND, mask, workers, n)
 
 
 def _refuse_state_corrupting(vllm_config: VllmConfig, arch: str, speculative: str, block_movers: str) -> None:
@@ -57,6 +97,7 @@ class LaplaceEngineChecks(MambaModelConfig):
             block_movers="the recurrent-state pages are not supported by vLLM's KV connectors",
         )
         _add_splitting_ops(vllm_config)
+        bind_cpu_workers(vllm_config)
         super().verify_and_update_config(vllm_config)
 
 
@@ -71,6 +112,7 @@ class TrinityMLAEngineChecks(VerifyAndUpdateConfig):
             "connector would not move with them",
         )
         _add_splitting_ops(vllm_config)
+        bind_cpu_workers(vllm_config)
 
 
 ENGINE_CHECKS: dict[str, type[VerifyAndUpdateConfig]] = {

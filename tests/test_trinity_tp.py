@@ -1,0 +1,153 @@
+"""MLA-Trinity at tensor parallelism 2 through real vLLM (CPU build, two workers over gloo), exact against transformers.
+
+The checkpoint is test_trinity_layout.py's kind: a random transformers `AfmoeForCausalLM` with Trinity-Mini's head
+geometry (head_dim 128, 32 query / 4 KV heads, layers [S, S, S, F], window 128) whose full-attention
+`[k_proj; v_proj]` is rank 256 by construction, converted exactly to MLA at `kv_lora_rank` 256. Each rank serves 16
+query heads and 2 KV heads: its rows of `kv_b_proj`, its columns of the key-scale store, the whole latent (so on a
+rank the latent blocks are 2x the sliding ones, whose pages hold half the KV heads); the sliding layers and the MoE
+are vLLM's, sharded by vLLM. Prompts pass the window and one latent block. Greedy tokens and every step's full
+logits against transformers' run of the original, alone and batched; then `vllm-trn serve` at TP=2.
+
+The thread binding is the plugin's own (engine_checks.bind_cpu_workers): without it vLLM's CPU build refuses two
+workers on one NUMA node.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from tests.afmoe_reference import convert_to_mla, hf_greedy, make_random_afmoe
+from tests.conftest import random_prompts, token_prompts, worker_functions_allowed
+from tests.laplace_reference import TIE_MARGIN, first_divergence
+
+pytestmark = pytest.mark.vllm
+
+VOCAB = 259
+RANK = 256
+STEPS = 8
+LOGIT_TOL = 1e-3  # as test_trinity_layout.py: a wrong head, shard or scale moves logits by O(0.1-1)
+PROMPTS = dict(zip(["past a latent block", "past the window", "short"], random_prompts(3, [560, 170, 30], seed=5)))
+
+
+def _params():  # noqa: ANN202
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=VOCAB, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    root = tmp_path_factory.mktemp("afmoe-tp")
+    orig = make_random_afmoe(
+        root / "orig", seed=9, full_kv_rank=RANK, hidden_size=256, intermediate_size=512, sliding_window=128
+    )
+    return orig, convert_to_mla(orig, root / "mla", kv_lora_rank=RANK)
+
+
+@pytest.fixture(scope="module")
+def refs(checkpoints: tuple[Any, Any], one_torch_thread: None) -> dict[str, dict]:
+    orig, _ = checkpoints
+    return {name: hf_greedy(orig, p, STEPS) for name, p in PROMPTS.items()}
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints: tuple[Any, Any], refs: dict[str, dict]):  # noqa: ANN201
+    from vllm import LLM
+
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ, "the test must see the plugin choose the binding"
+    _, mla = checkpoints
+    with worker_functions_allowed():
+        engine = LLM(
+            model=str(mla),
+            dtype="float32",
+            tensor_parallel_size=2,
+            max_model_len=1024,
+            max_num_seqs=4,
+            kv_cache_memory_bytes=128 << 20,
+            max_logprobs=VOCAB,
+            logprobs_mode="raw_logits",
+            enforce_eager=True,
+            seed=0,
+        )
+        yield engine
+        del engine
+        gc.collect()
+    os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")  # the plugin's binding for two workers: not for later engines
+
+
+def latent_shards(model: torch.nn.Module) -> dict[str, Any]:
+    """Run in each worker (LLM.apply_model): what the rank's latent layer holds."""
+    attn = model.model.layers[3].self_attn
+    return {
+        "heads": attn.num_heads,
+        "kv_heads": list(attn.kv_heads),
+        "kv_b_proj": tuple(attn.kv_b_proj.weight.shape),
+        "kv_a_proj": attn.kv_a_proj.output_size,  # vLLM's CPU linear methods repack their weights: sizes, not shapes
+        "key_scales": tuple(attn.key_scales.shape[1:]),
+        "q_proj": attn.q_proj.output_size_per_partition,
+        "o_proj": attn.o_proj.input_size_per_partition,
+        "latent_cache": tuple(attn.kv_cache.shape[1:]),
+    }
+
+
+def _check(out: Any, ref: dict, what: str, worst: list[float]) -> None:
+    c = out.outputs[0]
+    toks = list(c.token_ids)
+    assert len(toks) == STEPS
+    d = first_divergence(toks, ref["tokens"])
+    if d is not None:
+        assert ref["margins"][d] < TIE_MARGIN, (
+            f"{what}: step {d} gives {toks[d]}, transformers {ref['tokens'][d]} (margin {ref['margins'][d]:.2e})"
+        )
+    for step in range(STEPS if d is None else d + 1):
+        got = torch.tensor([c.logprobs[step][i].logprob for i in range(VOCAB)], dtype=torch.float64)
+        diff = (got - ref["step_logits"][step].double()).abs().max().item()
+        worst[0] = max(worst[0], diff)
+        assert diff < LOGIT_TOL, f"{what}: step {step} logits differ from transformers' by {diff:.2e}"
+
+
+def test_each_rank_holds_its_heads_and_the_whole_latent(llm: Any) -> None:
+    ranks = llm.apply_model(latent_shards)
+    assert os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").count("|") == 1  # two workers, a core list each
+    assert [r["kv_heads"] for r in ranks] == [[0, 1], [2, 3]]
+    for r in ranks:
+        assert r["heads"] == 16 and r["q_proj"] == r["o_proj"] == 16 * 128
+        assert r["kv_b_proj"] == (2 * 2 * 128, RANK) and r["key_scales"] == (2,)
+        assert r["kv_a_proj"] == RANK and r["latent_cache"] == (1, 2 * 128, RANK)
+
+
+def test_tp2_greedy_and_logits_equal_transformers(llm: Any, refs: dict[str, dict]) -> None:
+    worst = [0.0]
+    for name, p in PROMPTS.items():
+        _check(llm.generate(token_prompts([p]), _params(), use_tqdm=False)[0], refs[name], f"{name} alone", worst)
+    outs = llm.generate(token_prompts(list(PROMPTS.values())), _params(), use_tqdm=False)
+    for (name, ref), out in zip(refs.items(), outs):
+        _check(out, ref, f"{name} batched", worst)
+    print(f"\nTP=2: max |logit - transformers| {worst[0]:.2e} over {len(PROMPTS)} prompts x {STEPS} steps, twice")
+
+
+def test_vllm_trn_serve_tp2_answers_the_openai_api(
+    checkpoints: tuple[Any, Any], refs: dict[str, dict], tmp_path: Any
+) -> None:
+    """`vllm-trn serve --tensor-parallel-size 2`, no binding given: the completions API gives transformers' tokens."""
+    import requests
+
+    from vllm_trn_plugin.bench.local import serve_demo
+
+    _, mla = checkpoints
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    extra = ["--tensor-parallel-size", "2", "--dtype", "float32", "--max-model-len", "1024"]
+    with serve_demo(mla, tmp_path / "server.log", extra=extra) as server:
+        server.wait_healthy()
+        for name, p in PROMPTS.items():
+            body = {"model": str(mla), "prompt": p, "max_tokens": STEPS, "temperature": 0, "ignore_eos": True}
+            r = requests.post(server.url + "/v1/completions", json={**body, "return_token_ids": True}, timeout=300)
+            assert r.status_code == 200, r.text
+            toks = r.json()["choices"][0]["token_ids"]
+            d = first_divergence(toks, refs[name]["tokens"])
+            assert d is None or refs[name]["margins"][d] < TIE_MARGIN, (name, toks, refs[name]["tokens"])
