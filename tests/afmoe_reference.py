@@ -284,3 +284,34 @@ def hf_greedy(model_dir: str | Path | torch.nn.Module, prompt_ids: list[int], ma
         "prefill_logits": step_logits[0].clone(),
         "step_logits": step_logits,
     }
+
+
+def check_against_hf_greedy(out: Any, ref: dict[str, Any], what: str, logit_tol: float, worst: list[float]) -> None:
+    """A vLLM RequestOutput (raw-logits mode, logprobs = the whole vocabulary) against `hf_greedy`'s `ref`: tokens
+    equal (a divergence only after a near-tie, margin < TIE_MARGIN), every step's logits within `logit_tol` up to
+    and including the divergence; the largest difference seen is kept in worst[0]."""
+    from tests.laplace_reference import TIE_MARGIN, first_divergence
+
+    c = out.outputs[0]
+    toks, steps, vocab = list(c.token_ids), len(ref["tokens"]), ref["step_logits"].shape[1]
+    assert len(toks) == steps and len(c.logprobs) == steps, f"{what}: {len(toks)} tokens, expected {steps}"
+    d = first_divergence(toks, ref["tokens"])
+    if d is not None:
+        assert ref["margins"][d] < TIE_MARGIN, (
+            f"{what}: step {d} gives {toks[d]}, transformers {ref['tokens'][d]} (margin {ref['margins'][d]:.2e})"
+        )
+    for step in range(steps if d is None else d + 1):
+        got = torch.tensor([c.logprobs[step][i].logprob for i in range(vocab)], dtype=torch.float64)
+        diff = (got - ref["step_logits"][step].double()).abs().max().item()
+        worst[0] = max(worst[0], diff)
+        assert diff < logit_tol, f"{what}: step {step} logits differ from transformers' by {diff:.2e}"
+
+
+def trinity_geometry_pair(root: Path, seed: int, rank: int = 256) -> tuple[Path, Path]:
+    """A random float32 AFMoE with Trinity-Mini's attention geometry (AFMOE_SMALL: 128-dim heads, 32 query / 4 KV,
+    layers [S, S, S, F]; hidden 256, window 128) whose full-attention `[k_proj; v_proj]` is rank `rank` by
+    construction, and its MLA conversion at that `kv_lora_rank` (exact): (original, converted)."""
+    orig = make_random_afmoe(
+        root / "orig", seed=seed, full_kv_rank=rank, hidden_size=256, intermediate_size=512, sliding_window=128
+    )
+    return orig, convert_to_mla(orig, root / "mla", kv_lora_rank=rank)

@@ -22,9 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.afmoe_reference import convert_to_mla, hf_greedy, make_random_afmoe
+from tests.afmoe_reference import check_against_hf_greedy, hf_greedy, trinity_geometry_pair
 from tests.conftest import random_prompts, token_prompts, worker_functions_allowed
-from tests.laplace_reference import TIE_MARGIN, first_divergence
 
 pytestmark = pytest.mark.vllm
 
@@ -58,11 +57,7 @@ def _params(max_tokens: int = STEPS):  # noqa: ANN202
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    root = tmp_path_factory.mktemp("afmoe-layout")
-    orig = make_random_afmoe(
-        root / "orig", seed=7, full_kv_rank=RANK, hidden_size=256, intermediate_size=512, sliding_window=128
-    )
-    return orig, convert_to_mla(orig, root / "mla", kv_lora_rank=RANK)
+    return trinity_geometry_pair(tmp_path_factory.mktemp("afmoe-layout"), seed=7, rank=RANK)
 
 
 @pytest.fixture(scope="module")
@@ -113,23 +108,6 @@ def _generate(llm: Any, names: list[str]) -> list[Any]:
     return llm.generate(token_prompts([PROMPTS[n] for n in names]), _params(), use_tqdm=False)
 
 
-def _check(out: Any, ref: dict, what: str, worst: list[float]) -> None:
-    """Tokens equal transformers' (a divergence only after a near-tie); logits within LOGIT_TOL until then."""
-    c = out.outputs[0]
-    toks = list(c.token_ids)
-    assert len(toks) == STEPS and len(c.logprobs) == STEPS
-    d = first_divergence(toks, ref["tokens"])
-    if d is not None:
-        assert ref["margins"][d] < TIE_MARGIN, (
-            f"{what}: step {d} gives {toks[d]}, transformers {ref['tokens'][d]} (margin {ref['margins'][d]:.2e})"
-        )
-    for step in range(STEPS if d is None else d + 1):
-        got = torch.tensor([c.logprobs[step][i].logprob for i in range(VOCAB)], dtype=torch.float64)
-        diff = (got - ref["step_logits"][step].double()).abs().max().item()
-        worst[0] = max(worst[0], diff)
-        assert diff < LOGIT_TOL, f"{what}: step {step} logits differ from transformers' by {diff:.2e}"
-
-
 def test_engine_uses_the_production_layout(llm: Any) -> None:
     """Latent blocks are 4x the sliding blocks in the cache tensors the layers were bound to."""
     (shapes,) = llm.apply_model(cache_shapes)
@@ -149,7 +127,7 @@ def test_greedy_and_logits_equal_transformers_alone(llm: Any, refs: dict[str, di
         llm.reset_prefix_cache()
         out = _generate(llm, [name])[0]
         assert out.num_cached_tokens == 0, f"{name}: a fresh run was served from the prefix cache"
-        _check(out, refs[name], f"{name} ({len(PROMPTS[name])} tokens) alone", worst)
+        check_against_hf_greedy(out, refs[name], f"{name} ({len(PROMPTS[name])} tokens) alone", LOGIT_TOL, worst)
     print(f"\nalone: max |logit - transformers| {worst[0]:.2e} over {len(PROMPTS)} x {STEPS} steps")
 
 
@@ -159,7 +137,7 @@ def test_greedy_and_logits_equal_transformers_batched(llm: Any, refs: dict[str, 
     worst = [0.0]
     outs = _generate(llm, list(PROMPTS))
     for name, out in zip(PROMPTS, outs):
-        _check(out, refs[name], f"{name} ({len(PROMPTS[name])} tokens) batched", worst)
+        check_against_hf_greedy(out, refs[name], f"{name} ({len(PROMPTS[name])} tokens) batched", LOGIT_TOL, worst)
     cached = {n: o.num_cached_tokens for n, o in zip(PROMPTS, outs)}
     print(f"\nbatched: max |logit - transformers| {worst[0]:.2e}; cached tokens {cached}")
 
@@ -170,11 +148,13 @@ def test_prefix_cache_hits_equal_transformers(llm: Any, refs: dict[str, dict]) -
     worst = [0.0]
     a = _generate(llm, ["A"])[0]
     assert a.num_cached_tokens == 0
-    _check(a, refs["A"], "A, filling the cache", worst)
+    check_against_hf_greedy(a, refs["A"], "A, filling the cache", LOGIT_TOL, worst)
     expected = {"B": SHARED // LATENT_BLOCK * LATENT_BLOCK, "B again": 3 * LATENT_BLOCK, "A again": 2 * LATENT_BLOCK}
     for what, hit in expected.items():
         name = what.split()[0]
         out = _generate(llm, [name])[0]
         assert out.num_cached_tokens == hit, f"{what}: {out.num_cached_tokens} tokens from the cache, expected {hit}"
-        _check(out, refs[name], f"{what} ({hit} of {len(PROMPTS[name])} tokens cached)", worst)
+        check_against_hf_greedy(
+            out, refs[name], f"{what} ({hit} of {len(PROMPTS[name])} tokens cached)", LOGIT_TOL, worst
+        )
     print(f"\nprefix-cache hits {expected}: max |logit - transformers| {worst[0]:.2e}")
