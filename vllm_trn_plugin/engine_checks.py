@@ -70,7 +70,7 @@ def bind_cpu_workers(vllm_config: VllmConfig) -> None:
     mask = "|".join(",".join(map(str, cpus[i * n : (i + 1) * n])) for i in range(workers))
     os.environ[THREADS_BIND] = mask
     _bound.append(mask)
-    logger.info("%s=%r: %d workers on one NUMA node, %d cores each", THREADS_BIND, mask, workers, n)
+    logger.info("%s=%r: %d CPU workers, %d cores each (fewer NUMA nodes than workers)", THREADS_BIND, mask, workers, n)
 
 
 def _refuse_state_corrupting(vllm_config: VllmConfig, arch: str, speculative: str, block_movers: str) -> None:
