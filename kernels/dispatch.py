@@ -83,9 +83,11 @@ def fp8_experts(
     w2: torch.Tensor,
     s2: torch.Tensor,
     b2: torch.Tensor,
+    all_local: bool,
 ) -> torch.Tensor:
     """MLA-Trinity's routed FP8 experts (kernels/fp8_matmul.fp8_experts). A stack held in bf16 (the
-    VLLM_TRN_ALLOW_BF16 opt-in) always takes the torch path: the kernel is FP8 x FP8 only."""
+    VLLM_TRN_ALLOW_BF16 opt-in) always takes the torch path: the kernel is FP8 x FP8 only. `all_local` False
+    (expert parallelism): ids < 0 name other ranks' experts."""
     from vllm_trn_plugin.kernels.fp8_matmul import FP8_DTYPE
     from vllm_trn_plugin.kernels.fp8_matmul import fp8_experts as torch_path
 
@@ -94,7 +96,7 @@ def fp8_experts(
         return torch_path(x, topk_weights, topk_ids, w13, s13, b13, w2, s2, b2)
     from vllm_trn_plugin.kernels.fp8_expert_nki import fp8_experts_nki
 
-    return fp8_experts_nki(x, topk_weights, topk_ids, w13, s13, b13, w2, s2, b2, runner)
+    return fp8_experts_nki(x, topk_weights, topk_ids, w13, s13, b13, w2, s2, b2, runner, all_local)
 
 
 def latent_decode(

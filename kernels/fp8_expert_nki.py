@@ -159,23 +159,32 @@ class ExpertBlocks(NamedTuple):
     n_always: int
 
 
-def expert_blocks(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> ExpertBlocks:
-    """Blocks for T tokens' top-K routing (fixed shapes: NB = min(E, T*K); rows of topk_ids distinct)."""
+def expert_blocks(
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, all_local: bool = True
+) -> ExpertBlocks:
+    """Blocks for T tokens' top-K routing (fixed shapes: NB = min(E, T*K); rows of topk_ids distinct). With
+    `all_local` False some ids may be < 0 (experts another rank holds): they hit no block, and no block is
+    guaranteed active (n_always 0)."""
     t, k = topk_ids.shape
     e = num_experts
-    ids = topk_ids.long()
+    local = topk_ids >= 0
+    ids = topk_ids.long().clamp_min(0)
     dense = torch.zeros(e * t, dtype=torch.float32, device=ids.device)
     dense.scatter_add_(
-        0, (ids * t + torch.arange(t, device=ids.device)[:, None]).reshape(-1), topk_weights.float().reshape(-1)
+        0,
+        (ids * t + torch.arange(t, device=ids.device)[:, None]).reshape(-1),
+        (topk_weights.float() * local).reshape(-1),
     )
-    hits = torch.zeros(e, dtype=torch.int32, device=ids.device).scatter_add_(
-        0, ids.reshape(-1), torch.ones(t * k, dtype=torch.int32, device=ids.device)
-    )
+    hits = torch.zeros(e, dtype=torch.int32, device=ids.device)
+    hits.scatter_add_(0, ids.reshape(-1), local.int().reshape(-1))
     active = hits > 0
     rank = torch.arange(e, device=ids.device)
     order = torch.argsort(torch.where(active, rank, rank + e))[: min(e, t * k)]
     return ExpertBlocks(
-        order.to(torch.int32), active[order].to(torch.int32), dense.view(e, t)[order].contiguous(), min(k, e)
+        order.to(torch.int32),
+        active[order].to(torch.int32),
+        dense.view(e, t)[order].contiguous(),
+        min(k, e) if all_local else 0,
     )
 
 
@@ -190,8 +199,10 @@ def fp8_experts_nki(
     s2: torch.Tensor,
     b2: torch.Tensor,
     runner: Callable[[Any], Callable[..., torch.Tensor]],
+    all_local: bool = True,
 ) -> torch.Tensor:
-    """``fp8_experts``'s arguments and result (x.dtype [T, Hd]), computed by fp8_experts_kernel via runner.
+    """``fp8_experts``'s arguments and result (x.dtype [T, Hd]), computed by fp8_experts_kernel via runner
+    (``all_local`` False: ids < 0 are other ranks' experts, see ``expert_blocks``).
 
     Prepares only the routing layout (``expert_blocks``, O(T K + E T) torch ops); the weights go to the
     kernel as the model holds them. T is split into calls of at most 128 tokens.
@@ -201,7 +212,7 @@ def fp8_experts_nki(
     outs = []
     for t0 in range(0, x.shape[0], MAX_TOKENS):
         sl = slice(t0, t0 + MAX_TOKENS)
-        blk = expert_blocks(topk_weights[sl], topk_ids[sl], w13.shape[0])
+        blk = expert_blocks(topk_weights[sl], topk_ids[sl], w13.shape[0], all_local)
         outs.append(
             runner(fp8_experts_kernel)(
                 x[sl].contiguous(), blk.expert, blk.active, blk.weight, w13, s13, b13, w2, s2, b2, blk.n_always

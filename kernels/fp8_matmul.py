@@ -79,10 +79,13 @@ def fp8_experts(
     """Routed experts, torch path: sum_k topk_weights[t, k] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k].
 
     w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], FP8 (or bf16, opt-in) with fp32 row scales and biases;
-    every product FP8 for FP8 weights. Experts are visited in ascending order (the NKI kernel's order).
+    every product FP8 for FP8 weights. Experts are visited in ascending order (the NKI kernel's order). An id < 0
+    is an expert this rank does not hold (expert parallelism): it adds nothing here.
     """
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
+        if e < 0:
+            continue
         tok, k = (topk_ids == e).nonzero(as_tuple=True)
         gate, up = row_linear(x[tok], w13[e], s13[e], b13[e]).chunk(2, dim=-1)
         y = row_linear(torch.nn.functional.silu(gate) * up, w2[e], s2[e], b2[e])

@@ -8,6 +8,12 @@ The layers hold what the loader produces (loaders/mxfp4.py: exact MXFP4 -> FP8 r
   their `*_weight_scale` [E, rows] and `*_bias_correction` [E, rows];
 - LM head: `weight` FP8 [vocab, hidden], `weight_scale` fp32 [vocab].
 
+Under tensor parallelism each rank holds its part of every FP8 matrix, as vLLM's layers shard them: a
+column-parallel matrix (gate/up, the LM head's vocabulary rows) its rows with their scales and biases, a
+row-parallel one (down_proj, the experts' w2) its columns under the whole rows' scales (a row's power-of-two
+scale holds every part of it exactly) and the bias correction on rank 0 only, so that the all-reduce adds it
+once. Under expert parallelism a rank holds whole experts, those vLLM's expert map gives it.
+
 Every one computes kernels/fp8_matmul.fp8_linear (per-token FP8 activations, FP8 x FP8, fp32
 accumulation, both scales on the accumulator's output, then the bias). Everything else (attention,
 norms, embeddings, routers) is unquantized.
@@ -27,10 +33,11 @@ from typing import Any
 
 import torch
 from torch.nn import Parameter
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-from vllm.model_executor.layers.linear import LinearMethodBase
+from vllm.model_executor.layers.linear import LinearMethodBase, RowParallelLinear
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.utils.torch_utils import direct_register_custom_op
 
@@ -71,15 +78,25 @@ def _bf16_report(where: str, matrices: list[str], param: torch.Tensor) -> None:
 
 
 def _tracking(
-    loader: Callable[..., Any], seen: set[tuple[str, Any]], name: str, bf16_parts: dict[Any, torch.Tensor]
+    loader: Callable[..., Any],
+    seen: set[tuple[str, Any]],
+    name: str,
+    bf16_parts: dict[Any, torch.Tensor],
+    skip: bool = False,
 ) -> Callable[..., Any]:
+    """vLLM's `loader` for parameter `name`, recording what arrived; `skip`: arrived, but this rank keeps zeros."""
+
     def load(param: Parameter, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         shard = args[0] if args else kwargs.get("loaded_shard_id")
         if name == "weight" and loaded_weight.dtype == torch.bfloat16 and param.dtype == FP8_DTYPE:
-            # Never through vLLM's loader: its copy into the FP8 parameter would round it. Merged at the end.
-            bf16_parts[shard] = loaded_weight
+            # Never into the FP8 parameter (the copy would round it): into a bf16 one of the same shape, which vLLM's
+            # loader fills with this rank's part as it would the FP8 one. Merged at the end.
+            part = Parameter(torch.zeros(param.shape, dtype=torch.bfloat16), requires_grad=False)
+            set_weight_attrs(part, {a: getattr(param, a) for a in ("input_dim", "output_dim") if hasattr(param, a)})
+            loader(part, loaded_weight, *args, **kwargs)
+            bf16_parts[shard] = part.data
             seen.add(("weight_scale", shard))  # a bf16 matrix has no scale to wait for
-        else:
+        elif not skip:
             loader(param, loaded_weight, *args, **kwargs)
         seen.add((name, shard))
 
@@ -121,6 +138,8 @@ class Fp8RowLinearMethod(LinearMethodBase):
             for i, (shard, n) in enumerate(zip(sorted(shards, key=lambda x: x or 0), output_partition_sizes))
         }
         loader = extra_weight_attrs["weight_loader"]
+        # A row-parallel layer's outputs are partial sums, all-reduced: its bias correction belongs to one rank.
+        bias_elsewhere = isinstance(layer, RowParallelLinear) and get_tensor_model_parallel_rank() > 0
         for name in self.params:
             weight = name == "weight"
             layer.register_parameter(
@@ -130,7 +149,9 @@ class Fp8RowLinearMethod(LinearMethodBase):
                     FP8_DTYPE if weight else torch.float32,
                     **({"input_dim": 1} if weight else {}),
                     output_dim=0,
-                    weight_loader=_tracking(loader, self.seen, name, self.bf16_parts),
+                    weight_loader=_tracking(
+                        loader, self.seen, name, self.bf16_parts, skip=bias_elsewhere and name == "bias_correction"
+                    ),
                 ),
             )
 
@@ -141,11 +162,7 @@ class Fp8RowLinearMethod(LinearMethodBase):
         w = _to_bf16(layer.weight.data, layer.weight_scale.data, where)
         for shard, part in self.bf16_parts.items():
             start, n = self.shard_rows[shard]
-            if part.shape != (n, w.shape[1]):
-                raise CheckpointFormatError(
-                    f"{where}: bf16 matrix (shard {shard}) has shape {tuple(part.shape)}, expected {(n, w.shape[1])}"
-                )
-            w[start : start + n] = part
+            w[start : start + n] = part[start : start + n]
         layer.weight.data = w
         layer.weight_scale.data.fill_(1.0)
         _bf16_report(where, [f"shard {s}" for s in self.bf16_parts], w)
@@ -183,9 +200,8 @@ class Fp8RowMoEMethod(FusedMoEMethodBase):
     ) -> None:
         if not self.moe.is_act_and_mul:
             raise ValueError(f"{QUANT_NAME}: experts without a gated activation are not supported")
-        if self.moe.moe_parallel_config.use_ep or self.moe.moe_parallel_config.tp_size != 1:
-            raise ValueError(f"{QUANT_NAME}: FP8 experts run with tensor/expert parallel size 1 only")
         E, H, I = num_experts, hidden_size, intermediate_size_per_partition
+        self.layer = layer  # its expert map (expert parallelism) places the checkpoint's experts
         self.seen: set[tuple[str, Any]] = set()
         self.expected: dict[str, set] = {}
         self.bf16_parts: dict[tuple[str, int, str], torch.Tensor] = {}
@@ -200,6 +216,23 @@ class Fp8RowMoEMethod(FusedMoEMethodBase):
                 )
                 self.expected[prefix + name] = {(e, sh) for e in range(E) for sh in shards}
 
+    def _rank_part(self, t: torch.Tensor, param_name: str, shard_id: str, where: str) -> torch.Tensor:
+        """This tensor-parallel rank's part of one expert's checkpoint tensor: w1/w3 split by rows (their scales and
+        biases with them), w2 by columns (under the whole rows' scales), w2's bias correction on rank 0 only."""
+        tp, rank = self.moe.tp_size, self.moe.tp_rank
+        if tp == 1:
+            return t
+        dim = 0 if shard_id in ("w1", "w3") else 1
+        if shard_id == "w2" and param_name != "w2_weight":
+            return t if param_name == "w2_weight_scale" or rank == 0 else torch.zeros_like(t)
+        if t.shape[dim] % tp:
+            raise CheckpointFormatError(
+                f"checkpoint tensor {where}: {t.shape[dim]} {'rows' if dim == 0 else 'columns'} do not split "
+                f"across --tensor-parallel-size {tp}"
+            )
+        n = t.shape[dim] // tp
+        return t.narrow(dim, rank * n, n)
+
     def _loader(self, param_name: str, I: int) -> Callable[..., bool]:
         def load(
             param: Parameter,
@@ -209,7 +242,12 @@ class Fp8RowMoEMethod(FusedMoEMethodBase):
             expert_id: int,
             return_success: bool = False,
         ) -> bool:
-            dst = param.data[expert_id]
+            expert_map = self.layer.expert_map
+            local = expert_id if expert_map is None else int(expert_map[expert_id])
+            if local < 0:
+                return False  # another rank's expert (expert parallelism)
+            loaded_weight = self._rank_part(loaded_weight, param_name, shard_id, weight_name)
+            dst = param.data[local]
             if shard_id in ("w1", "w3"):
                 dst = dst.narrow(0, 0 if shard_id == "w1" else I, I)
             if dst.shape != loaded_weight.shape:
@@ -218,12 +256,12 @@ class Fp8RowMoEMethod(FusedMoEMethodBase):
                     f"{tuple(loaded_weight.shape)}, {param_name} expects {tuple(dst.shape)}"
                 )
             if loaded_weight.dtype == torch.bfloat16 and dst.dtype == FP8_DTYPE:  # opt-in; merged at the end
-                self.bf16_parts[(param_name, expert_id, shard_id)] = loaded_weight
+                self.bf16_parts[(param_name, local, shard_id)] = loaded_weight
                 # a bf16 matrix has no scale to wait for
-                self.seen.add((param_name.replace("weight", "weight_scale"), (expert_id, shard_id)))
+                self.seen.add((param_name.replace("weight", "weight_scale"), (local, shard_id)))
             else:
                 dst.copy_(loaded_weight)
-            self.seen.add((param_name, (expert_id, shard_id)))
+            self.seen.add((param_name, (local, shard_id)))
             return True
 
         return load
@@ -258,6 +296,8 @@ class Fp8RowMoEMethod(FusedMoEMethodBase):
         shared_experts: Any,
         shared_experts_input: torch.Tensor | None,
     ) -> torch.Tensor:
+        if layer.expert_map is not None:  # expert parallelism: local ids, -1 for another rank's experts
+            topk_ids = layer.expert_map[topk_ids.long()].to(topk_ids.dtype)
         return torch.ops.vllm.trn_fp8_experts(
             x,
             topk_weights,
@@ -268,6 +308,7 @@ class Fp8RowMoEMethod(FusedMoEMethodBase):
             layer.w2_weight,
             layer.w2_weight_scale,
             layer.w2_bias_correction,
+            layer.expert_map is None,
         )
 
 

@@ -96,14 +96,8 @@ class TrinityMLAModel(nn.Module):
         config = vllm_config.model_config.hf_config
         if getattr(config, "kv_lora_rank", None) is None:
             raise ValueError("TrinityMLAForCausalLM: config.json needs `kv_lora_rank` (the latent width)")
-        parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size != 1:
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:  # refused at config time (engine_checks.py)
             raise ValueError("TrinityMLAForCausalLM: --pipeline-parallel-size must be 1 (no pipeline stages)")
-        if parallel.tensor_parallel_size > 1 and isinstance(vllm_config.quant_config, TrnMxfp4Fp8Config):
-            raise ValueError(
-                "TrinityMLAForCausalLM: a packed (MXFP4/FP8) checkpoint is served at --tensor-parallel-size 1 only "
-                "for now: its FP8 rows are not yet sharded at load"
-            )
         reserve_key_scale_budget(vllm_config)
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)

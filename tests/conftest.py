@@ -118,9 +118,13 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> l
 @contextlib.contextmanager
 def worker_functions_allowed() -> Iterator[None]:
     """While open, `LLM.apply_model` may ship a function to vLLM's worker process (vLLM refuses to serialise
-    functions otherwise); the engine must be created inside it, as its processes read the switch at start."""
+    functions otherwise); the engine must be created inside it, as its processes read the switch at start.
+
+    The CPU thread binding is the plugin's to choose inside (engine_checks.bind_cpu_workers, for an engine of two
+    workers) and is put back as it was on exit, so that later engines in the session choose their own."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        mp.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
         yield
 
 

@@ -87,37 +87,53 @@ def nearest_reference_run(served: torch.Tensor, reference: Callable[[], torch.Te
     return min(runs, key=lambda run: float((served - run).abs().max()))
 
 
-def fp8_matmul(weights: dict[str, torch.Tensor], module: str, x: torch.Tensor) -> torch.Tensor:
-    """y = W Q(x) + b for a quantized module (x [..., in]); the bias is the checkpoint's bias-correction vector."""
-    y = fp8_activation(x) @ weights[module + ".weight"].T
+def fp8_matmul(weights: dict[str, torch.Tensor], module: str, x: torch.Tensor, parts: int = 1) -> torch.Tensor:
+    """y = W Q(x) + b for a quantized module (x [..., in]); the bias is the checkpoint's bias-correction vector.
+
+    `parts` > 1: the matrix split along its input as a row-parallel layer at that tensor-parallel size holds it,
+    each rank rounding its own slice of x (its own per-token scale), the partial products summed (the all-reduce)."""
+    w = weights[module + ".weight"]
+    xs, ws = x.double().chunk(parts, dim=-1), w.chunk(parts, dim=-1)
+    y = sum(fp8_activation(xp) @ wp.T for xp, wp in zip(xs, ws))
     bias = weights.get(module + ".bias")
     return y if bias is None else y + bias
 
 
-def patch_afmoe_fp8(model: torch.nn.Module, weights: dict[str, torch.Tensor], fp8: set[str]) -> torch.nn.Module:
+def patch_afmoe_fp8(
+    model: torch.nn.Module,
+    weights: dict[str, torch.Tensor],
+    fp8: set[str],
+    tp: int = 1,
+    expert_tp: int | None = None,
+) -> torch.nn.Module:
     """transformers' AfmoeForCausalLM with each quantized MLP, shared expert, routed expert group and LM head replaced
     by the FP8 math on the packed checkpoint's matrices (in place; the router, attention and norms stay
-    transformers'). A packed matrix left out of `fp8` is computed unquantized, with its bias correction."""
-    F = torch.nn.functional
+    transformers'). A packed matrix left out of `fp8` is computed unquantized, with its bias correction.
 
-    def linear(module: str, x: torch.Tensor) -> torch.Tensor:
+    `tp`: the rounding a tensor-parallel engine of that size does: each down_proj's input rounded per rank slice
+    (gate/up and the vocabulary-parallel LM head see the whole input, as at size 1). `expert_tp` (default `tp`):
+    the same for the routed experts; 1 under expert parallelism, where each rank holds whole experts."""
+    F = torch.nn.functional
+    expert_tp = tp if expert_tp is None else expert_tp
+
+    def linear(module: str, x: torch.Tensor, parts: int = 1) -> torch.Tensor:
         if module in fp8:
-            return fp8_matmul(weights, module, x)
+            return fp8_matmul(weights, module, x, parts)
         return x.double() @ weights[module + ".weight"].T + weights[module + ".bias"]  # served in bf16 (opt-in)
 
-    def mlp(prefix: str, x: torch.Tensor) -> torch.Tensor:
+    def mlp(prefix: str, x: torch.Tensor, parts: int) -> torch.Tensor:
         h = F.silu(linear(f"{prefix}.gate_proj", x)) * linear(f"{prefix}.up_proj", x)
-        return linear(f"{prefix}.down_proj", h)
+        return linear(f"{prefix}.down_proj", h, parts)
 
     def dense(prefix: str):  # noqa: ANN202
-        return lambda x: mlp(prefix, x).to(x.dtype)
+        return lambda x: mlp(prefix, x, tp).to(x.dtype)
 
     def routed(prefix: str):  # noqa: ANN202
         def forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
             out = torch.zeros(x.shape, dtype=torch.float64)
             for e in top_k_index.unique().tolist():
                 tok, k = torch.where(top_k_index == e)
-                y = mlp(f"{prefix}.{e}", x[tok])
+                y = mlp(f"{prefix}.{e}", x[tok], expert_tp)
                 out.index_add_(0, tok, y * top_k_weights[tok, k, None].double())
             return out.to(x.dtype)
 

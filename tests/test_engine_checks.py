@@ -125,3 +125,22 @@ def test_cpu_workers_get_a_binding_unless_the_user_gave_one(
     if more <= 32:
         with pytest.raises(ValueError, match=f"{more} CPU workers .* need a core each"):
             _config(trinity_ckpt, tensor_parallel_size=more)
+
+
+def test_parallel_layouts_a_model_lacks_refused_at_start(
+    laplace_ckpt: Path, trinity_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Laplace at --tensor-parallel-size 2 and an unquantized MLA-Trinity at --enable-expert-parallel on vLLM's CPU
+    build are refused when the config is built, each naming the option and why; a packed MLA-Trinity (the plugin's
+    FP8 experts honour the expert map) builds."""
+    from vllm_trn_plugin.loaders.packed import pack
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # the binding is not what is tested here
+    with pytest.raises(ValueError, match=r"LaplaceForCausalLM has no tensor-parallel layout.*one replica per core"):
+        _config(laplace_ckpt, tensor_parallel_size=2)
+    ep = dict(tensor_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match=r"--enable-expert-parallel on vLLM's CPU build needs a packed"):
+        _config(trinity_ckpt, **ep)
+    packed = pack(trinity_ckpt, tmp_path / "packed").dst
+    cfg = _config(packed, **ep)
+    assert cfg.parallel_config.enable_expert_parallel and cfg.model_config.quantization == "trn-mxfp4-fp8"

@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from tests.afmoe_reference import convert_to_mla, hf_greedy, load_hf_model, make_random_afmoe
-from tests.conftest import greedy_logits, random_prompts
+from tests.conftest import greedy_logits, random_prompts, worker_functions_allowed
 from tests.laplace_reference import LaplaceReference
 from tests.packed_reference import load_packed, nearest_reference_run, patch_afmoe_fp8
 from vllm_trn_plugin.loaders.mxfp4 import CheckpointFormatError
@@ -322,3 +322,122 @@ def test_bf16_opt_in_served_unquantized_and_reported(
     for prompt, (tokens, logits) in zip(prompts, served):
         want = nearest_reference_run(logits, functools.partial(_hf_logits, ref, prompt, tokens))
         _check(f"bf16 opt-in, prompt of {len(prompt)}", len(prompt), tokens, logits, want)
+
+
+# Tensor and expert parallelism (two CPU workers over gloo). Each engine is checked against the reference doing its
+# own rounding (packed_reference.patch_afmoe_fp8's `tp`): a tensor-parallel rank rounds its own slice of each
+# down_proj input, so TP=2 and TP=1 are different FP8 forwards (measured on a 30-token prompt: TP=2 equal to its
+# reference to 1e-6 and 0.6 from TP=1's; EP=2, whose routed experts are whole on one rank, likewise to its own).
+LAYOUTS = {
+    "TP=2": (dict(tensor_parallel_size=2), dict(tp=2)),
+    "EP=2": (dict(tensor_parallel_size=2, enable_expert_parallel=True), dict(tp=2, expert_tp=1)),
+}
+
+
+def _fp8_shards(model: torch.nn.Module) -> dict:
+    """Run in each worker (LLM.apply_model): the rank's FP8 matrices as the values they hold (FP8 x row scale, exact
+    in float32), their bias corrections, and which experts it holds."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    def value(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return w.float() * s.float().unsqueeze(-1)
+
+    out: dict = {"rank": get_tensor_model_parallel_rank()}
+    for name, module in model.named_modules():
+        if hasattr(module, "w13_weight"):
+            out[name] = {
+                "w13": value(module.w13_weight, module.w13_weight_scale),
+                "w2": value(module.w2_weight, module.w2_weight_scale),
+                "b13": module.w13_bias_correction.clone(),
+                "b2": module.w2_bias_correction.clone(),
+                "map": None if module.expert_map is None else module.expert_map.tolist(),
+            }
+        elif getattr(module, "weight", None) is not None and module.weight.dtype == torch.float8_e4m3fn:
+            b = getattr(module, "bias_correction", None)
+            out[name] = {"w": value(module.weight, module.weight_scale), "b": None if b is None else b.clone()}
+    return out
+
+
+def _check_shards(ranks: list[dict], weights: dict[str, torch.Tensor], tp: int, ep: bool) -> int:
+    """Each rank's FP8 values are exactly its part of the checkpoint's (decoded independently, float64): gate/up and
+    LM head rows, down_proj columns (bias correction on rank 0 only), experts' w1/w3 rows and w2 columns, or under
+    expert parallelism whole experts, those the expert map gives the rank. Returns the matrices compared."""
+    compared = 0
+
+    def part(t: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+        n = t.shape[dim] // tp
+        return t.narrow(dim, rank * n, n)
+
+    def same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        nonlocal compared
+        assert got.shape == want.shape and torch.equal(got.double(), want.double()), what
+        compared += 1
+
+    for shard in ranks:
+        r = shard["rank"]
+        for name, held in shard.items():
+            if name == "rank":
+                continue
+            if name == "lm_head":  # vocabulary-parallel, each rank's part padded as vLLM pads it (zero rows)
+                n = held["w"].shape[0]
+                head = weights["lm_head.weight"]
+                rows = torch.nn.functional.pad(head, (0, 0, 0, n * tp - head.shape[0]))[r * n : (r + 1) * n]
+                same(held["w"], rows, f"rank {r} LM head rows")
+            elif name.endswith(".gate_up_proj"):
+                m = name.removesuffix(".gate_up_proj")
+                g, u = (weights[f"{m}.{p}_proj.weight"] for p in ("gate", "up"))
+                same(held["w"], torch.cat([part(g, 0, r), part(u, 0, r)]), f"rank {r} {name}")
+                bias = torch.cat([part(weights[f"{m}.{p}_proj.bias"], 0, r) for p in ("gate", "up")])
+                same(held["b"], bias, f"rank {r} {name} bias correction")
+            elif name.endswith(".down_proj"):
+                same(held["w"], part(weights[f"{name}.weight"], 1, r), f"rank {r} {name} columns")
+                bias = weights[f"{name}.bias"] if r == 0 else torch.zeros_like(weights[f"{name}.bias"])
+                same(held["b"], bias, f"rank {r} {name} bias correction (rank 0 only)")
+            elif "w13" in held:
+                name = name[: name.index(".experts") + len(".experts")]
+                experts = (
+                    [e for e, local in enumerate(held["map"]) if local >= 0] if ep else range(held["w13"].shape[0])
+                )
+                assert not ep or len(experts) == held["w13"].shape[0], (r, held["map"])
+                for i, e in enumerate(experts):
+                    p = f"{name}.{e}"
+                    g, u, d = (weights[f"{p}.{x}_proj.weight"] for x in ("gate", "up", "down"))
+                    k = 1 if ep else tp
+                    rank = 0 if ep else r
+                    rows = torch.cat([g.chunk(k)[rank], u.chunk(k)[rank]])
+                    same(held["w13"][i], rows, f"rank {r} expert {e} w13")
+                    same(held["w2"][i], d.chunk(k, dim=1)[rank], f"rank {r} expert {e} w2")
+                    b2 = weights[f"{p}.down_proj.bias"]
+                    same(held["b2"][i], b2 if ep or r == 0 else torch.zeros_like(b2), f"rank {r} expert {e} w2 bias")
+            else:
+                raise AssertionError(f"rank {r}: unexpected FP8 module {name}")
+    return compared
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_trinity_packed_sharded_equals_its_fp8_reference(trinity_dirs: tuple[Path, Path], layout: str) -> None:
+    """A packed checkpoint at tensor parallelism 2 (experts split by their intermediate rows) and at expert
+    parallelism 2 (experts whole, four per rank): each rank holds exactly its part of the FP8 rows, and the served
+    logits are the reference's doing the same rounding, within the FP8-flip bound of the test above (same prompts
+    and checks)."""
+    mla, packed = trinity_dirs
+    engine_kw, rounding = LAYOUTS[layout]
+    prompts = random_prompts(len(TRINITY_LENGTHS), TRINITY_LENGTHS, seed=22)
+    with worker_functions_allowed():
+        llm = _engine(packed, kv_cache_memory_bytes=128 << 20, enforce_eager=True, **engine_kw)
+        try:
+            ranks = llm.apply_model(_fp8_shards)
+            served = _served(llm, prompts)
+        finally:
+            del llm
+    weights, fp8 = load_packed(packed)
+    compared = _check_shards(ranks, weights, 2, "enable_expert_parallel" in engine_kw)
+    ref = patch_afmoe_fp8(copy.deepcopy(load_hf_model(mla)), weights, fp8, **rounding)
+    errs = []
+    for prompt, (tokens, logits) in zip(prompts, served):
+        want = nearest_reference_run(logits, functools.partial(_hf_logits, ref, prompt, tokens))
+        errs.append(_check(f"MLA-Trinity {layout}, prompt of {len(prompt)}", len(prompt), tokens, logits, want))
+    print(
+        f"\nMLA-Trinity packed at {layout}: {compared} per-rank FP8 matrices exact; max |logit diff| vs its FP8 "
+        f"reference by prompt length: {_fmt(TRINITY_LENGTHS, errs)}"
+    )

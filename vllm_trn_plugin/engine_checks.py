@@ -7,6 +7,12 @@ hooks, `MODELS_CONFIG_MAP`), before any engine or worker process starts.
   key-scale store beside vLLM's latent blocks (model_executors/latent_attention.py), so anything that moves or
   copies blocks outside the model's forward (KV connectors, KV offloading, disaggregated prefill) would move
   latents without their scales; and its speculative decoding has not been verified against the latent cache.
+- Refused, each with its reason: parallel layouts a model does not have. Laplace is served one replica per core
+  (3.0B parameters and its states fit one 24 GiB core; more cores serve more replicas, behind the router or with
+  --data-parallel-size), so it has no tensor-parallel layout. MLA-Trinity's routed experts under
+  --enable-expert-parallel need the plugin's FP8 experts on vLLM's CPU build: vLLM's unquantized CPU experts
+  (cpu_fused_moe) index their local weights with global expert ids, past the end under an expert map (a
+  segfault, vLLM's own AFMoE alike).
 - Set on CPU when the user has not: a thread binding for several local workers (tensor parallelism on one NUMA
   node). vLLM's automatic binding gives each worker a NUMA node of its own and fails with fewer nodes than workers
   (a 2-core host at --tensor-parallel-size 2); the plugin then splits the allowed cores evenly among the workers.
@@ -86,9 +92,36 @@ def _refuse_state_corrupting(vllm_config: VllmConfig, arch: str, speculative: st
         raise ValueError(f"{arch} cannot be served with {option}: {why}")
 
 
+def _refuse_layout(vllm_config: VllmConfig, arch: str) -> None:
+    from vllm.platforms import current_platform
+
+    from vllm_trn_plugin.quantization import QUANT_NAME
+
+    p = vllm_config.parallel_config
+    if arch == "LaplaceForCausalLM" and p.tensor_parallel_size > 1:
+        raise ValueError(
+            "LaplaceForCausalLM has no tensor-parallel layout (--tensor-parallel-size must be 1): it is served one "
+            "replica per core (3.0B parameters and 20 sequences' 29 MB states fit a 24 GiB Trainium2 core); serve "
+            "more cores as more replicas, behind the router (deploy/trn2) or with --data-parallel-size"
+        )
+    if p.pipeline_parallel_size > 1:
+        raise ValueError(f"{arch} has no pipeline stages: --pipeline-parallel-size must be 1")
+    if (
+        arch == "TrinityMLAForCausalLM"
+        and p.enable_expert_parallel
+        and current_platform.is_cpu()
+        and vllm_config.model_config.quantization != QUANT_NAME
+    ):
+        raise ValueError(
+            "TrinityMLAForCausalLM: --enable-expert-parallel on vLLM's CPU build needs a packed (MXFP4/FP8) "
+            "checkpoint: vLLM's unquantized CPU experts ignore the expert map and read past their weights"
+        )
+
+
 class LaplaceEngineChecks(MambaModelConfig):
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        _refuse_layout(vllm_config, "LaplaceForCausalLM")
         _refuse_state_corrupting(
             vllm_config,
             "LaplaceForCausalLM",
@@ -104,6 +137,7 @@ class LaplaceEngineChecks(MambaModelConfig):
 class TrinityMLAEngineChecks(VerifyAndUpdateConfig):
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        _refuse_layout(vllm_config, "TrinityMLAForCausalLM")
         _refuse_state_corrupting(
             vllm_config,
             "TrinityMLAForCausalLM",
