@@ -194,6 +194,33 @@ def test_experts_kernel_matches_model_path(name: str) -> None:
         assert torch.all((raw - ref).abs() <= _model_bound(x, tw, ti, experts, ref))
 
 
+def test_expert_parallel_ranks_skip_other_ranks_experts() -> None:
+    """Expert parallelism: each of two ranks holds half the stack and sees the other's ids as -1. Each rank's torch
+    path equals the whole stack's with the other experts' routing weights zeroed, its kernel agrees with it as for a
+    whole stack (token 0 has no expert on rank 1: zeros there), and the two ranks sum to the single-rank result (what
+    the all-reduce adds)."""
+    t, e, k, hd, inter = 6, 8, 2, 256, 256
+    experts = _experts(21, e, hd, inter)
+    x = torch.randn(t, hd, generator=torch.Generator().manual_seed(22)) * 2
+    tw, ti = _routing(23, t, e, k)
+    ti[0] = torch.tensor([0, 1])  # token 0: both experts on rank 0, none on rank 1
+    total = torch.zeros(t, hd)
+    for r in range(2):
+        own = torch.arange(e) // (e // 2) == r
+        ids = torch.where(own, torch.cumsum(own, 0) - 1, -1)[ti]
+        mine = tuple(w[own] for w in experts)
+        model = fp8_experts(x, tw, ids, *mine)
+        masked = tw * own[ti]
+        assert torch.equal(model, fp8_experts(x, masked, ti, *experts))
+        out = K.fp8_experts_nki(x, tw, ids, *mine, simulate, all_local=False)
+        assert torch.all((out - model).abs() <= _model_bound(x, masked, ti, experts, model))
+        if r == 1:
+            assert torch.equal(out[0], torch.zeros(hd)) and torch.equal(model[0], torch.zeros(hd))
+        total += model
+    whole = fp8_experts(x, tw, ti, *experts)
+    assert torch.allclose(total, whole, rtol=0, atol=1e-5 * float(whole.abs().max()))
+
+
 def test_each_token_equals_its_single_token_run() -> None:
     """Per-token scales make tokens independent: every batch size 1..32 gives each token its single-token result."""
     e, k, hd, inter = 8, 2, 256, 256
