@@ -135,3 +135,63 @@ def test_vllm_trn_serve_tp2_answers_the_openai_api(
             toks = r.json()["choices"][0]["token_ids"]
             d = first_divergence(toks, refs[name]["tokens"])
             assert d is None or refs[name]["margins"][d] < TIE_MARGIN, (name, toks, refs[name]["tokens"])
+
+
+def test_trn2_recipe_layout_serves_on_cpu(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/trn2/serve-replica.sh's MLA-Trinity command, as printed, served by `vllm-trn serve` on CPU from a packed
+    demo checkpoint (demo geometry, its position limit raised to Trinity-Mini's for the recipe's 16,640 tokens): TP=2,
+    bf16, the packed FP8 method, torch.compile as the recipe leaves it, its buckets in --additional-config. Left out:
+    --kv-cache-dtype fp8 (vLLM's CPU attention refuses an FP8 cache on AVX2-only hosts) and the recipe's host/port.
+    The server must run that configuration and answer: a prompt past the window and a latent block, greedily, twice
+    alike, and a chat turn."""
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    import requests
+
+    from vllm_trn_plugin.bench.local import LocalServer, free_port, vllm_trn_command
+    from vllm_trn_plugin.demo import write_trinity_demo
+    from vllm_trn_plugin.loaders.packed import pack
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # the plugin's binding, as a user would get it
+    ckpt = pack(write_trinity_demo(tmp_path / "demo", max_position_embeddings=131072), tmp_path / "packed").dst
+    script = Path(__file__).resolve().parents[1] / "deploy" / "trn2" / "serve-replica.sh"
+    printed = subprocess.run(
+        [str(script), "mla-trinity", str(ckpt), "--print"], capture_output=True, text=True, check=True
+    )
+    argv = shlex.split(printed.stdout)
+    assert argv[:3] == ["vllm", "serve", str(ckpt)] and argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    port = free_port()
+    args, skip = [], {"--kv-cache-dtype": None, "--host": "127.0.0.1", "--port": str(port)}
+    it = iter(argv[3:])
+    for a in it:
+        if a in skip:
+            next(it)
+            if skip[a] is not None:
+                args += [a, skip[a]]
+        else:
+            args.append(a)
+    url = f"http://127.0.0.1:{port}"
+    with LocalServer([vllm_trn_command(), "serve", str(ckpt), *args], url, tmp_path / "server.log") as server:
+        server.wait_healthy()
+        log = (tmp_path / "server.log").read_text()
+        for want in (
+            "tensor_parallel_size=2,",
+            "quantization=trn-mxfp4-fp8,",
+            "dtype=torch.bfloat16,",
+            "max_seq_len=16640,",
+        ):
+            assert want in log, f"the recipe's server does not run with {want}"
+        body = {"model": "mla-trinity", "prompt": "ab" * 300, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        runs = []
+        for _ in range(2):
+            r = requests.post(url + "/v1/completions", json={**body, "return_token_ids": True}, timeout=300)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert r.json()["usage"]["prompt_tokens"] == 600 and len(choice["token_ids"]) == 16, r.json()
+            runs.append(choice["token_ids"])
+        assert runs[0] == runs[1], runs
+        chat = {"model": "mla-trinity", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+        r = requests.post(url + "/v1/chat/completions", json=chat, timeout=300)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant", r.text
