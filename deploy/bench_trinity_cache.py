@@ -73,6 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[2048, 8192],
         help="vLLM scheduler token budgets, one row each (default 2048 8192: CPU / H100 server defaults)",
     )
+    p.add_argument(
+        "--tensor-parallel-sizes",
+        type=int,
+        nargs="*",
+        default=[1, 2, 4],
+        help="part 4: per-rank figures at these TP sizes, each in its own process group (default 1 2 4; none: skip)",
+    )
     p.add_argument("--engine", action="store_true", help="also start two small real engines (~2 min)")
     p.add_argument("--engine-budget-mib", type=int, default=256, help="engine kv_cache_memory_bytes (MiB)")
     p.add_argument("--engine-max-model-len", type=int, default=4096)
@@ -81,19 +88,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--engine-child", nargs=5, metavar=("DIR", "LOAD_FORMAT", "BUDGET", "LEN", "MNBT"), help=argparse.SUPPRESS
     )
+    p.add_argument("--tp-child", nargs=4, metavar=("RANK", "WORLD", "INIT_FILE", "CKPT_ROOT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 # --- 1. theory --------------------------------------------------------------------------------------------
 
 
-def theory(geo: dict[str, Any], context: int, dtype_bytes: int = 2) -> dict[str, Any]:
+def theory(geo: dict[str, Any], context: int, dtype_bytes: int = 2, tp: int = 1) -> dict[str, Any]:
+    """Cache bytes of one rank at tensor-parallel size `tp`: K+V layers keep their rank's share of the KV heads
+    (one replicated head past tp = heads, as vLLM's QKVParallelLinear), the latent is whole on every rank."""
     n_slide = sum(t == "sliding_attention" for t in geo["layer_types"])
     n_glob = len(geo["layer_types"]) - n_slide
-    kv = geo["num_key_value_heads"] * geo["head_dim"] * 2 * dtype_bytes  # K and V of all KV heads, per token
+    kv_heads = max(1, geo["num_key_value_heads"] // tp)
+    kv = kv_heads * geo["head_dim"] * 2 * dtype_bytes  # K and V of the rank's KV heads, per token
     latent = KV_LORA_RANK * dtype_bytes
     window = min(context, geo["sliding_window"])
-    out: dict[str, Any] = {"sliding_layers": n_slide, "global_layers": n_glob, "window_tokens": window}
+    out: dict[str, Any] = {
+        "tp": tp,
+        "kv_heads_per_rank": kv_heads,
+        "sliding_layers": n_slide,
+        "global_layers": n_glob,
+        "window_tokens": window,
+    }
     for name, glob in (("mla", latent), ("afmoe", kv)):
         out[name] = {
             "sliding_layer_bytes_per_token": kv,
@@ -134,7 +151,7 @@ def write_config(out: Path, arch: str, geo: dict[str, Any], dtype: str) -> str:
     return str(out)
 
 
-def engine_config(ckpt: str, dtype: str, max_model_len: int, mnbt: int):  # noqa: ANN201
+def engine_config(ckpt: str, dtype: str, max_model_len: int, mnbt: int, tensor_parallel_size: int = 1):  # noqa: ANN201
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(
@@ -142,30 +159,44 @@ def engine_config(ckpt: str, dtype: str, max_model_len: int, mnbt: int):  # noqa
         dtype=dtype,
         max_model_len=max_model_len,
         max_num_batched_tokens=mnbt,
+        tensor_parallel_size=tensor_parallel_size,
         enforce_eager=True,
         skip_tokenizer_init=True,
     ).create_engine_config()
 
 
-_dist_ready = False
+_dist_world: int | None = None  # the tensor-parallel size this process's vLLM distributed state was set up for
+
+
+def init_dist(vc, world: int = 1, rank: int = 0, init_method: str | None = None) -> None:  # noqa: ANN001
+    """vLLM's distributed state, once per process: the parallel layers read their rank and group size from it
+    when they are built. World 1 in the main process; in a part-4 child, rank `rank` of a `world`-rank gloo group
+    (every rank must join: group creation is collective)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    global _dist_world
+    if _dist_world is None:
+        if world > 1 and init_method is None:
+            raise ValueError("a tensor-parallel group needs the init_method its other ranks share")
+        with set_current_vllm_config(vc):
+            init_distributed_environment(world, rank, init_method or f"file://{tempfile.mktemp()}", rank, "gloo")
+            ensure_model_parallel_initialized(world, 1)
+        _dist_world = world
+    if _dist_world != world:
+        raise RuntimeError(f"vLLM's distributed state is for {_dist_world} ranks, this config wants {world}")
 
 
 def collect_specs(vc) -> tuple[dict, list]:  # noqa: ANN001
     """Build the model on `meta`; each AttentionLayerBase's spec as GPUModelRunner.get_kv_cache_spec makes it."""
     import torch
     from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.model_executor.model_loader.utils import get_model_architecture
     from vllm.v1.kv_cache_interface import AttentionSpec
     from vllm.v1.worker.utils import customize_attention_spec
 
-    global _dist_ready
-    if not _dist_ready:
-        with set_current_vllm_config(vc):
-            init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, "gloo")
-            ensure_model_parallel_initialized(1, 1)
-        _dist_ready = True
+    init_dist(vc, vc.parallel_config.tensor_parallel_size)
     cls, _ = get_model_architecture(vc.model_config)
     with set_current_vllm_config(vc), torch.device("meta"):
         cls(vllm_config=vc)
@@ -180,8 +211,11 @@ def collect_specs(vc) -> tuple[dict, list]:  # noqa: ANN001
     return specs, [layer.get_attn_backend() for layer in layers.values()]
 
 
-def size_cache(vc, specs: dict, backends: list, budget: int) -> dict[str, Any]:  # noqa: ANN001
-    """EngineCore._initialize_kv_caches for one worker with `budget` bytes: layout, groups, blocks, concurrency."""
+def size_cache(vc, specs: dict, backends: list, budget: int, ranks: list[dict] | None = None) -> dict[str, Any]:  # noqa: ANN001
+    """EngineCore._initialize_kv_caches with `budget` bytes per worker: layout, groups, blocks, concurrency.
+
+    `ranks`: every worker's specs, as the engine core receives them (it refuses ranks whose specs differ); default
+    `specs` alone, one worker."""
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
     from vllm.v1.core import kv_cache_utils as kcu
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
@@ -191,7 +225,8 @@ def size_cache(vc, specs: dict, backends: list, budget: int) -> dict[str, Any]: 
     register_all_kvcache_specs(vc)
     layouts = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
     layout = resolve_kv_cache_layout(vc, [layouts], specs.values())
-    configs = kcu.get_kv_cache_configs(vc, [dict(specs)], [budget])
+    workers = ranks or [dict(specs)]
+    configs = kcu.get_kv_cache_configs(vc, workers, [budget] * len(workers))
     sched = kcu.generate_scheduler_kv_cache_config(configs)
     groups = []
     for g in sched.kv_cache_groups:
@@ -332,6 +367,102 @@ def run_engines(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     return out
 
 
+# --- 4. per rank under tensor parallelism -----------------------------------------------------------------
+
+TP_RESULT = "TP_RESULT "  # prefix of rank 0's one JSON line on stdout (vLLM logs to stdout too)
+THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def tp_child(rank: int, world: int, init_file: str, root: Path, args: argparse.Namespace) -> None:
+    """One rank of a `world`-rank vLLM tensor-parallel group: build both models on `meta` (their parallel layers
+    take this rank's share), gather every rank's specs on rank 0 as the engine core does, and size them there."""
+    import torch
+
+    mnbts, budgets = args.max_num_batched_tokens, [int(b * GiB) for b in args.budgets_gib]
+    vcs = {key: engine_config(str(root / key), "bfloat16", args.context, mnbts[0], world) for key in MODELS}
+    # The CPU worker names its shared-memory communicator after the init file (cpu_worker.init_device); vLLM's TP
+    # group setup reads the name, so every rank needs it.
+    os.environ["VLLM_DIST_IDENT"] = os.path.basename(init_file)
+    init_dist(vcs["mla"], world, rank, f"file://{init_file}")
+    out: dict[str, Any] = {}
+    for key, vc in vcs.items():
+        specs, backends = collect_specs(vc)
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        torch.distributed.gather_object(specs, gathered, dst=0)
+        if rank != 0:
+            continue
+        rows = []
+        for mnbt in mnbts:
+            for budget in budgets:
+                sized = size_cache(
+                    engine_config(str(root / key), "bfloat16", args.context, mnbt, world),
+                    specs,
+                    backends,
+                    budget,
+                    gathered,
+                )
+                rows.append({"budget": budget, "max_num_batched_tokens": mnbt, **sized})
+        out[key] = {
+            "arch": MODELS[key],
+            "tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
+            "ranks_with_equal_specs": sum(g == specs for g in gathered),
+            "spec_bytes": spec_bytes(specs, args.context),
+            "rows": rows,
+        }
+    if rank == 0:
+        print(TP_RESULT + json.dumps(out, default=str), flush=True)
+
+
+def tp_figures(args: argparse.Namespace, root: Path, tp: int) -> dict[str, Any]:
+    """Part 4 at one TP size: `tp` child processes (this script, --tp-child) forming one gloo group."""
+    ident = f"bench-trinity-cache-{os.getpid()}-tp{tp}"  # unique per run: it names the ranks' shared memory
+    init_file = str(root / ident)
+    cpus = sorted(os.sched_getaffinity(0))
+    # A binding set before the config is built is kept by the plugin's hook (engine_checks.bind_cpu_workers),
+    # which would otherwise refuse more workers than cores; nothing here runs kernels, so cores may repeat.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", THREADS_BIND: "|".join(str(cpus[r % len(cpus)]) for r in range(tp))}
+    passed = [
+        "--context", str(args.context), "--budgets-gib", *map(str, args.budgets_gib),
+        "--max-num-batched-tokens", *map(str, args.max_num_batched_tokens),
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    procs, logs = [], []
+    for rank in range(tp):
+        log = (root / f"{ident}-rank{rank}.log").open("w+")
+        cmd = [sys.executable, __file__, "--tp-child", str(rank), str(tp), init_file, str(root), *passed]
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env))
+        logs.append(log)
+    try:
+        deadline = time.monotonic() + 900
+        while any(p.poll() is None for p in procs):
+            # A rank that died leaves the others waiting in a collective: stop them rather than time out.
+            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+        log.close()
+    line = next((x for x in texts[0].splitlines() if x.startswith(TP_RESULT)), None)
+    if any(p.returncode != 0 for p in procs) or line is None:
+        tails = "\n".join(
+            f"--- rank {r} (rc {p.returncode}):\n{t[-3000:]}" for r, (p, t) in enumerate(zip(procs, texts))
+        )
+        raise RuntimeError(f"TP={tp} children failed:\n{tails}")
+    return {
+        "tp": tp,
+        "theory": theory(TRINITY_MINI, args.context, tp=tp),
+        "vllm": json.loads(line.removeprefix(TP_RESULT)),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
 # --- report ------------------------------------------------------------------------------------------------
 
 
@@ -395,6 +526,9 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
             f"  |{tm:>11.2f}{ta:>8.2f}{tm / ta:>7.2f}x"
         )
 
+    if res.get("tp"):
+        report_tp(res, ctx)
+
     if "engine" in res:
         e = res["engine"]
         print(
@@ -415,6 +549,64 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"ratio: engine {e['engine_ratio']:.3f}x, computed {e['predicted_ratio']:.3f}x ({match})")
 
 
+def report_tp(res: dict[str, Any], ctx: int) -> None:
+    print(
+        f"\n== 4. Per rank at tensor-parallel size t, Trinity-Mini geometry, bf16, context {ctx} (vLLM's specs from a "
+        f"t-rank gloo group; budget per rank) =="
+    )
+    print(
+        f"{'':18}{'t':>3}{'sliding layer':>14}{'global layer':>13}{'token in window':>17}{'token beyond':>14}"
+        f"{'per sequence':>14}{'theory':>12}{'AFMoE/MLA':>11}{'theory':>8}"
+    )
+    for entry in res["tp"]:
+        t, th, vf = entry["tp"], entry["theory"], entry["vllm"]
+        for key in MODELS:
+            a, s = th[key], vf[key]["spec_bytes"]
+            same = "" if a["bytes_per_sequence"] == s["bytes_per_sequence"] else " (differs)"
+            print(
+                f"{LABEL[key]:18}{t:>3}{a['sliding_layer_bytes_per_token']:>14,}{a['global_layer_bytes_per_token']:>13,}"
+                f"{s['bytes_per_token_inside_window']:>17,}{s['bytes_per_token_beyond_window']:>14,}"
+                f"{fmt_bytes(s['bytes_per_sequence']):>14}{fmt_bytes(a['bytes_per_sequence']):>12}{same}"
+            )
+        ratio = vf["afmoe"]["spec_bytes"]["bytes_per_sequence"] / vf["mla"]["spec_bytes"]["bytes_per_sequence"]
+        print(f"{'  AFMoE/MLA':18}{t:>3}{'':84}{ratio:>10.2f}x{th['ratio']:>7.2f}x")
+    print("  (sliding/global layer: theory bytes/token/layer; token and sequence columns: vLLM's per-layer specs)")
+
+    print(
+        f"\nMaximum concurrency for {ctx} tokens per request, per rank's budget (vLLM | theory = budget / per sequence)"
+    )
+    print(
+        f"{'t':>3}{'budget':>8}{'max_batched':>12}{'blocks':>8}{'MLA blk/req':>12}{'AFMoE blk/req':>14}"
+        f"{'MLA':>9}{'AFMoE':>9}{'ratio':>8}  |{'theory MLA':>11}{'AFMoE':>8}{'ratio':>8}"
+    )
+    for entry in res["tp"]:
+        t, th, vf = entry["tp"], entry["theory"], entry["vllm"]
+        for rm, ra in zip(vf["mla"]["rows"], vf["afmoe"]["rows"]):
+            budget = rm["budget"]
+            tm, ta = budget / th["mla"]["bytes_per_sequence"], budget / th["afmoe"]["bytes_per_sequence"]
+            cm, ca = rm["max_concurrency"], ra["max_concurrency"]
+            print(
+                f"{t:>3}{budget / GiB:>6.0f}Gi{rm['max_num_batched_tokens']:>12}{rm['num_blocks']:>8}"
+                f"{rm['blocks_per_request']:>12}{ra['blocks_per_request']:>14}{cm:>9.2f}{ca:>9.2f}{cm / ca:>7.2f}x"
+                f"  |{tm:>11.2f}{ta:>8.2f}{tm / ta:>7.2f}x"
+            )
+    print("vLLM's groups per rank (first row's config):")
+    for entry in res["tp"]:
+        for key in MODELS:
+            v = entry["vllm"][key]
+            groups = ", ".join(
+                f"{g['layers']} x {g['type']} (block {g['block_size']} tokens, {fmt_bytes(g['page_bytes_per_layer'])}"
+                f"/layer, {g['blocks_per_request']} blk/req)"
+                for g in v["rows"][0]["groups"]
+            )
+            print(
+                f"  t={entry['tp']} {LABEL[key]}: {groups}; specs equal on {v['ranks_with_equal_specs']}/{entry['tp']} "
+                f"ranks ({entry['seconds']:.0f} s for the group)"
+            )
+    if "t1_matches_part2" in res:
+        print(f"t=1 group == part 2 (one process, no group): {res['t1_matches_part2']}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.engine_child:
@@ -424,6 +616,10 @@ def main(argv: list[str] | None = None) -> None:
     from vllm_trn_plugin import register
 
     register()
+    if args.tp_child:
+        rank, world, init_file, root = args.tp_child
+        tp_child(int(rank), int(world), init_file, Path(root), args)
+        return
     t0 = time.perf_counter()
     budgets = [int(b * GiB) for b in args.budgets_gib]
     res: dict[str, Any] = {"context": args.context, "theory": theory(TRINITY_MINI, args.context)}
@@ -431,6 +627,15 @@ def main(argv: list[str] | None = None) -> None:
         res["vllm"] = vllm_figures(
             Path(d) / "full", TRINITY_MINI, "bfloat16", args.context, budgets, args.max_num_batched_tokens
         )
+        # Part 4's children read the config.json files part 2 wrote under `full`.
+        res["tp"] = [tp_figures(args, Path(d) / "full", tp) for tp in args.tensor_parallel_sizes]
+        one = next((e for e in res["tp"] if e["tp"] == 1), None)
+        if one is not None:
+            res["t1_matches_part2"] = all(
+                [r["max_concurrency"] for r in one["vllm"][k]["rows"]]
+                == [r["max_concurrency"] for r in res["vllm"][k]["rows"]]
+                for k in MODELS
+            )
         if args.engine:
             res["engine"] = run_engines(args, Path(d) / "demo")
     res["seconds"] = time.perf_counter() - t0

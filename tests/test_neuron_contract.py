@@ -73,8 +73,8 @@ class Group:
 
 
 class BetaRunner:
-    """vllm-neuron's Beta runner and scheduler, as far as a model can tell (single process, TP 1, no spec
-    decode, host sampling or greedy on-device sampling)."""
+    """vllm-neuron's Beta runner and scheduler, as far as a model can tell (one process per tensor-parallel rank,
+    each driving the same steps; no spec decode; host sampling or greedy on-device sampling)."""
 
     def __init__(
         self,
@@ -87,6 +87,7 @@ class BetaRunner:
         num_blocks: int,
         max_num_batched_tokens: int,
         pad_slot: int = NULL_BLOCK_ID,
+        rank: int = 0,
     ) -> None:
         from vllm.config import set_current_vllm_config
 
@@ -95,6 +96,7 @@ class BetaRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = self.nc.num_seqs_buckets[-1]
         self.pad_slot = pad_slot  # padded tokens' slot: NULL_BLOCK_ID (0) at vLLM 0.24, PAD_SLOT_ID (-1) at 0.21
+        self.rank = rank  # this worker's tensor-parallel rank, passed to every forward
         t0 = time.perf_counter()
         with set_current_vllm_config(runner_cfg):  # the worker's load_model runs under its config
             with torch.device("meta"):
@@ -280,7 +282,7 @@ class BetaRunner:
             sampling_positions=sampling,
             sampling_params=torch.tensor([[0, 1.0, 0.0]] * rows) if ods else None,  # [top_k, top_p, temperature]
             spec_decode_metadata=None,
-            rank=torch.tensor(0, dtype=torch.int32),
+            rank=torch.tensor(self.rank, dtype=torch.int32),
             logit_mask=None,
         )
 
@@ -307,11 +309,13 @@ class BetaRunner:
         return tensors + [a.key_scales for a in getattr(self.model, "_latent", []) if a.key_scales is not None]
 
 
-def _runner_config(ckpt: Path, max_model_len: int) -> Any:
+def _runner_config(ckpt: Path, max_model_len: int, tp: int = 1) -> Any:
     """The runner's vLLM config (what the Beta worker holds; float32 like the reference engines)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    args = EngineArgs(model=str(ckpt), dtype="float32", max_model_len=max_model_len, enforce_eager=True)
+    args = EngineArgs(
+        model=str(ckpt), dtype="float32", max_model_len=max_model_len, enforce_eager=True, tensor_parallel_size=tp
+    )
     return args.create_engine_config()
 
 
@@ -437,19 +441,16 @@ TRINITY_NC = {
 }
 
 
-def test_trinity_through_beta_contract_equals_vllm(
-    trinity_ckpts: tuple[Path, Path], worker: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The float32 MLA checkpoint: vLLM and the adapter differ only in summation order, so every token must
-    agree. (On the packed checkpoint a long prompt can legitimately differ: FP8 activation rounding turns a
-    1e-7 difference into a ~0.1 logit jump, see tests/test_packed_vllm.py, and a near-tie then flips.)"""
+TRINITY_PROMPTS = random_prompts(3, [7, 40, 150], seed=43)  # 150 > the sliding window (64)
+TRINITY_ARRIVALS = [0, 0, 2]
+
+
+@pytest.fixture(scope="module")
+def trinity_expected(trinity_ckpts: tuple[Path, Path]) -> list[list[int]]:
+    """vLLM's greedy tokens for TRINITY_PROMPTS on the float32 MLA checkpoint (one eager engine, TP 1)."""
     from vllm import LLM
 
-    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLABetaModel
-
     mla, _ = trinity_ckpts
-    monkeypatch.setenv("VLLM_TRN_KERNELS", "torch")
-    prompts = random_prompts(3, [7, 40, 150], seed=43)  # 150 > the sliding window (64)
     llm = LLM(
         model=str(mla),
         dtype="float32",
@@ -460,10 +461,26 @@ def test_trinity_through_beta_contract_equals_vllm(
         kv_cache_memory_bytes=128 << 20,
     )
     try:
-        served = llm.generate(token_prompts(prompts), greedy_params(STEPS), use_tqdm=False)
+        served = llm.generate(token_prompts(TRINITY_PROMPTS), greedy_params(STEPS), use_tqdm=False)
     finally:
         del llm
-    expected = [list(o.outputs[0].token_ids) for o in served]
+    return [list(o.outputs[0].token_ids) for o in served]
+
+
+def test_trinity_through_beta_contract_equals_vllm(
+    trinity_ckpts: tuple[Path, Path],
+    trinity_expected: list[list[int]],
+    worker: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The float32 MLA checkpoint: vLLM and the adapter differ only in summation order, so every token must
+    agree. (On the packed checkpoint a long prompt can legitimately differ: FP8 activation rounding turns a
+    1e-7 difference into a ~0.1 logit jump, see tests/test_packed_vllm.py, and a near-tie then flips.)"""
+    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLABetaModel
+
+    mla, _ = trinity_ckpts
+    monkeypatch.setenv("VLLM_TRN_KERNELS", "torch")
+    prompts, expected = TRINITY_PROMPTS, trinity_expected
 
     runner = BetaRunner(
         TrinityMLABetaModel,
@@ -475,7 +492,7 @@ def test_trinity_through_beta_contract_equals_vllm(
         max_num_batched_tokens=512,
     )
     t0 = time.perf_counter()
-    got = runner.generate([Request(p, a) for p, a in zip(prompts, [0, 0, 2])])
+    got = runner.generate([Request(p, a) for p, a in zip(prompts, TRINITY_ARRIVALS)])
     seconds = time.perf_counter() - t0
 
     for p, g, e in zip(prompts, got, expected):
@@ -528,3 +545,74 @@ def test_trinity_kernels_in_emulator_through_beta_contract(
         f"{report['kernel_calls']} kernel calls, greedy tokens equal, logits within "
         f"{report['emulate_max_logit_diff']:.1e}, {report['emulate_seconds']:.1f} s"
     )
+
+
+def _trinity_tp_rank(rank: int, world: int, mla: str, init_file: str, out_dir: str) -> None:
+    """One Beta worker of a tensor-parallel group (a spawned process per rank): the worker's gloo world and vLLM's
+    TP group of `world` ranks, then the same runner as at TP 1; the adapter builds and loads this rank's shard."""
+    import os
+
+    import torch.distributed as dist
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLABetaModel
+
+    os.environ["VLLM_TRN_KERNELS"] = "torch"
+    torch.set_num_threads(1)
+    with set_current_vllm_config(VllmConfig()):
+        ps.init_distributed_environment(world, rank, f"file://{init_file}", rank, backend="gloo")
+        ps.initialize_model_parallel(world, 1)
+    ckpt = Path(mla)
+    runner = BetaRunner(
+        TrinityMLABetaModel,
+        ckpt,
+        _runner_config(ckpt, 512, tp=world),
+        TRINITY_NC,
+        block_size=32,
+        num_blocks=32,
+        max_num_batched_tokens=512,
+        rank=rank,
+    )
+    got = runner.generate([Request(p, a) for p, a in zip(TRINITY_PROMPTS, TRINITY_ARRIVALS)])
+    spec = runner.model.get_kv_spec()
+    latent = runner.model._latent[0]
+    torch.save(
+        {
+            "tokens": got,
+            "sliding_kv_heads": sorted({layer.num_kv_heads for layer in spec.layers}),
+            "latent_rank": sorted({layer.kv_lora_rank for layer in spec.latent_layers}),
+            "kv_heads": list(latent.kv_heads),
+            "key_scales": tuple(latent.key_scales.shape[1:]),
+            "shapes": sorted(runner.padded_shapes),
+        },
+        Path(out_dir) / f"rank{rank}.pt",
+    )
+    dist.barrier()
+    ps.destroy_model_parallel()
+    ps.destroy_distributed_environment()
+
+
+def test_trinity_beta_contract_at_tp2_equals_tp1(
+    trinity_ckpts: tuple[Path, Path], trinity_expected: list[list[int]], tmp_path: Path
+) -> None:
+    """Two Beta workers (spawned processes, gloo), each building through the adapter the shard of its rank of a
+    TP-2 group the worker set up: sliding layers with 2 of the 4 KV heads, the whole 256-wide latent, the latent
+    layer's KV heads and key-scale columns split between the ranks; both ranks' greedy tokens equal TP 1's
+    (vLLM's engine on the same float32 checkpoint)."""
+    import torch.multiprocessing as mp
+
+    mla, _ = trinity_ckpts
+    mp.start_processes(
+        _trinity_tp_rank,
+        args=(2, str(mla), str(tmp_path / "dist-init"), str(tmp_path)),
+        nprocs=2,
+        start_method="spawn",
+    )
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r, got in enumerate(ranks):
+        assert got["sliding_kv_heads"] == [2] and got["latent_rank"] == [256], got
+        assert got["kv_heads"] == [2 * r, 2 * r + 1] and got["key_scales"] == (2,), got
+        for p, g, e in zip(TRINITY_PROMPTS, got["tokens"], trinity_expected):
+            assert g == e, f"rank {r}, prompt of {len(p)} tokens: Beta contract at TP 2 {g}, vLLM at TP 1 {e}"
+    print(f"\nMLA-Trinity via the Beta contract at TP 2 (two gloo ranks): tokens equal TP 1's; {ranks[0]['shapes']}")

@@ -61,6 +61,12 @@ Piece of the contract -> where vllm-neuron defines it:
   copy ``AWShtokoyo/vllm-neuron`` @ 01c89e38). One prefill per step, never mixed with decodes
   (``NeuronModelRunner._compute_cached_seq_len``: "Neuron currently only supports a prefill batch size
   of 1").
+- Tensor parallelism: one worker process per rank; the worker sets up vLLM's process groups
+  (``init_neuron_distributed_environment`` wrapping vLLM's ``init_distributed_environment`` and
+  ``ensure_model_parallel_initialized``, ``vllm_neuron/parallel/neuron_parallel_state.py`` @ b3a5a71f)
+  before building the model, and the runner passes ``rank = torch.tensor(tp_rank, dtype=torch.int32)``
+  (``get_tp_group().rank_in_group``) to every forward (runner file). Beta models read the size from
+  ``get_tp_group()`` and shard themselves at load (``vllm_neuron/model/qwen3/model.py`` @ 9d83b11c).
 - ``VLLM_NEURON_CPU_MODE=1`` ("Enable CPU fallback mode instead of using Neuron accelerators", stored
   copies of ``vllm_neuron/envs.py``): ``load_model`` skips the graph-capture backend and permits
   ``enforce_eager`` (``torch.compiler.set_stance("force_eager")``), otherwise asserted off (runner file);
@@ -251,9 +257,13 @@ def _current_vllm_config() -> Any:
 def _adapter_vllm_config(hf_config: Any) -> Any:
     """The vLLM config the plugin's model is built under: the runner's checkpoint, dtype and length when a
     config is current (the worker sets it), else the checkpoint ``hf_config`` was read from; always eager
-    (the Beta runner, not vLLM, decides how the graph is compiled) and tensor-parallel size 1 (the
-    plugin's models support no more)."""
+    (the Beta runner, not vLLM, decides how the graph is compiled); tensor-parallel size that of the
+    tensor-parallel group the worker set up before building the model (1 without one), so that each rank
+    builds and loads its own shard through vLLM's parallel layers, whose collectives run over that group."""
+    from vllm.distributed import parallel_state
     from vllm.engine.arg_utils import EngineArgs
+
+    tp = parallel_state.get_tp_group().world_size if parallel_state.model_parallel_is_initialized() else 1
 
     current = _current_vllm_config()
     if current is not None:
@@ -272,7 +282,7 @@ def _adapter_vllm_config(hf_config: Any) -> Any:
         max_model_len=max_len,
         download_dir=download_dir,
         enforce_eager=True,
-        tensor_parallel_size=1,
+        tensor_parallel_size=tp,
         skip_tokenizer_init=True,
     )
     return args.create_engine_config()
