@@ -17,6 +17,13 @@ Run (from the repository root)::
    parameters resident in the model (w13/w2 weights, plus scales and bias-correction vectors for FP8).
 The bf16 engine runs first, then the packed one, then both again (two reps each, interleaved), and the medians
 are compared: the machine is noisy, the ratios are what count.
+3. Per rank under tensor parallelism (`--tensor-parallel-sizes`, default 1 2): the packed checkpoint loaded by
+   `vllm.LLM` with worker processes (`distributed_executor_backend="mp"`, so TP=1 is measured in a worker
+   process too), and every worker reports, through `apply_model`, the bytes of the parameters it holds (its
+   shard), its routed-expert bytes, its anonymous resident memory after the load (RssAnon: the shard plus the
+   runtime, not the checkpoint's file pages) and its peak RSS (VmHWM, file pages included). The claim checked:
+   a rank's memory is about its shard, not the whole checkpoint (the reader streams one matrix at a time; each
+   rank expands every matrix it reads in full and keeps its part).
 """
 
 from __future__ import annotations
@@ -52,6 +59,35 @@ nbytes = llm.apply_model(expert_bytes)[0]
 hwm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
 print("RESULT" + json.dumps({"ready_s": ready, "peak_rss": hwm, "expert_bytes": nbytes}))
 """
+
+
+CHILD_TP = """
+import json, sys
+from vllm import LLM
+llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=512, enforce_eager=True, kv_cache_memory_bytes=64 << 20,
+          tensor_parallel_size=int(sys.argv[2]), distributed_executor_backend="mp")
+
+def rank_memory(model):
+    status = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("Vm") or
+              l.startswith("Rss")}
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                  if ".experts." in n and (".w13_" in n or ".w2_" in n))
+    return {"param_bytes": params, "expert_bytes": experts, "rss_anon": status["RssAnon"], "peak_rss": status["VmHWM"]}
+
+print("RESULT" + json.dumps(llm.apply_model(rank_memory)))
+"""
+
+
+def load_per_rank(ckpt: Path, tp: int) -> list[dict]:
+    """The packed checkpoint at tensor-parallel size `tp` in a fresh engine: each worker's memory figures."""
+    env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # apply_model ships a function to the workers
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # the plugin binds the workers itself
+    proc = subprocess.run([sys.executable, "-c", CHILD_TP, str(ckpt), str(tp)], capture_output=True, text=True, env=env)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
+    if not line:
+        raise SystemExit(f"engine on {ckpt} at TP={tp} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(line[0].removeprefix("RESULT"))
 
 
 def expansion(reps: int, rows: int) -> dict:
@@ -139,10 +175,28 @@ def load_once(ckpt: Path) -> dict:
     return json.loads(line[0].removeprefix("RESULT"))
 
 
+def report_medians(b: dict, p: dict) -> None:
+    """Part 2's medians, packed vs bf16."""
+    print("== medians (packed vs bf16)")
+    print(
+        f"startup to ready engine: {p['ready_s']:.1f} s vs {b['ready_s']:.1f} s "
+        f"(ratio {p['ready_s'] / b['ready_s']:.2f})"
+    )
+    print(
+        f"peak RSS: {p['peak_rss'] / 2**30:.2f} vs {b['peak_rss'] / 2**30:.2f} GiB "
+        f"(ratio {p['peak_rss'] / b['peak_rss']:.2f})"
+    )
+    print(
+        f"resident expert bytes: {p['expert_bytes'] / 2**30:.3f} vs {b['expert_bytes'] / 2**30:.3f} GiB "
+        f"(bf16 / FP8 = {b['expert_bytes'] / p['expert_bytes']:.2f}x)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--moe-layers", type=int, default=5)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--tensor-parallel-sizes", type=int, nargs="*", default=[1, 2], help="part 3 (none: skip)")
     ap.add_argument("--out", default="bench-out/bench_packed_load")
     args = ap.parse_args()
     from vllm_trn_plugin.loaders.packed import pack
@@ -176,24 +230,36 @@ def main() -> None:
                 f"  rep {rep} {kind:>6}: ready {r['ready_s']:.1f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB, "
                 f"expert params {r['expert_bytes'] / 2**30:.3f} GiB"
             )
-    med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
-    b, p = med["bf16"], med["packed"]
-    print("== medians (packed vs bf16)")
-    print(
-        f"startup to ready engine: {p['ready_s']:.1f} s vs {b['ready_s']:.1f} s "
-        f"(ratio {p['ready_s'] / b['ready_s']:.2f})"
-    )
-    print(
-        f"peak RSS: {p['peak_rss'] / 2**30:.2f} vs {b['peak_rss'] / 2**30:.2f} GiB "
-        f"(ratio {p['peak_rss'] / b['peak_rss']:.2f})"
-    )
-    print(
-        f"resident expert bytes: {p['expert_bytes'] / 2**30:.3f} vs {b['expert_bytes'] / 2**30:.3f} GiB "
-        f"(bf16 / FP8 = {b['expert_bytes'] / p['expert_bytes']:.2f}x)"
-    )
+    med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items() if v}
+    b, p = med.get("bf16"), med.get("packed")
+    if b and p:
+        report_medians(b, p)
+    per_rank = {}
+    if args.tensor_parallel_sizes:
+        print(f"== per rank, packed checkpoint ({sizes['packed'] / 2**30:.2f} GiB on disk)")
+    for tp in args.tensor_parallel_sizes:
+        per_rank[tp] = load_per_rank(packed, tp)
+        for r, m in enumerate(per_rank[tp]):
+            print(
+                f"  TP={tp} rank {r}: params {m['param_bytes'] / 2**30:.3f} GiB (experts "
+                f"{m['expert_bytes'] / 2**30:.3f}), RssAnon {m['rss_anon'] / 2**30:.2f} GiB, "
+                f"peak RSS {m['peak_rss'] / 2**30:.2f} GiB"
+            )
+    if 1 in per_rank:
+        one = per_rank[1][0]
+        for tp, ranks in per_rank.items():
+            if tp == 1:
+                continue
+            ratio = {k: max(m[k] for m in ranks) / one[k] for k in one}
+            print(
+                f"TP={tp} vs TP=1, largest rank: params {ratio['param_bytes']:.2f}x, experts "
+                f"{ratio['expert_bytes']:.2f}x, RssAnon {ratio['rss_anon']:.2f}x, peak RSS {ratio['peak_rss']:.2f}x"
+            )
     root.mkdir(parents=True, exist_ok=True)
     (root / "result.json").write_text(
-        json.dumps({"expansion": ex, "checkpoint_bytes": sizes, "runs": runs, "medians": med}, indent=2)
+        json.dumps(
+            {"expansion": ex, "checkpoint_bytes": sizes, "runs": runs, "medians": med, "per_rank": per_rank}, indent=2
+        )
     )
 
 

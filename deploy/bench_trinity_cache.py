@@ -1,6 +1,6 @@
 """KV cache capacity of MLA-Trinity vs vLLM's built-in AFMoE at Trinity-Mini geometry, by vLLM's own arithmetic.
 
-Run (from the repository root; ~15 s, no weights, no engine)::
+Run (from the repository root; ~2.5 min on a 2-core machine, part 4 most of it; no weights, no engine)::
 
     .venv/bin/python deploy/bench_trinity_cache.py
 
@@ -30,6 +30,16 @@ Options: `--help`. Results: tables on stdout and JSON (`--out`, default bench-ou
    `load_format="dummy"`), same kv_cache_memory_bytes and max_model_len; each engine runs in its own
    process and its log line "CPU KV cache size: N tokens, Maximum concurrency for L tokens per request: Xx"
    is parsed and compared with part 2's arithmetic on the same small configs.
+4. Per rank under tensor parallelism (`--tensor-parallel-sizes`, default 1 2 4; `--tensor-parallel-sizes` alone
+   skips it): part 2 at each size t. vLLM's parallel layers take their share from the tensor-parallel group they
+   are built in, so for each t the script starts t children of itself (hidden `--tp-child`), one rank each of a
+   vLLM TP group (gloo, file store); every rank builds both models on `meta`, rank 0 gathers all ranks' specs as
+   the engine core does and sizes them as in part 2 (`--budgets-gib` is per rank). Per rank, AFMoE's K+V layers
+   (both models' sliding layers, AFMoE's global ones) hold num_key_value_heads / t heads (2048, 1024, 512
+   B/token/layer at t = 1, 2, 4) while MLA-Trinity's latent layers keep the whole 256-wide latent on every rank
+   (512 B), so the theory ratio at L = 32768 falls from 2.71x (t = 1) to 1.73x (t = 2) and 1.0x (t = 4). The
+   t = 1 group is checked against part 2. MLA-Trinity's key-scale store (16 B per token and latent layer at
+   t = 1, halved with each doubling of t; docs/mla-trinity.md) is outside vLLM's specs and counted in neither.
 """
 
 from __future__ import annotations
@@ -96,8 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def theory(geo: dict[str, Any], context: int, dtype_bytes: int = 2, tp: int = 1) -> dict[str, Any]:
-    """Cache bytes of one rank at tensor-parallel size `tp`: K+V layers keep their rank's share of the KV heads
-    (one replicated head past tp = heads, as vLLM's QKVParallelLinear), the latent is whole on every rank."""
+    """Cache bytes of one rank at tensor-parallel size `tp`: K+V layers keep the rank's share of the KV heads
+    (one, replicated, when tp exceeds them: vLLM's QKVParallelLinear), the latent is whole on every rank."""
     n_slide = sum(t == "sliding_attention" for t in geo["layer_types"])
     n_glob = len(geo["layer_types"]) - n_slide
     kv_heads = max(1, geo["num_key_value_heads"] // tp)

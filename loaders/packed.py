@@ -326,7 +326,7 @@ def stored_weights(path_dir: str | Path) -> dict[str, StoredWeight]:
 
 
 def iter_checkpoint(
-    path_dir: str | Path, *, allow_bf16: bool = False
+    path_dir: str | Path, *, allow_bf16: bool = False, skip: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor | ExpandedMatrix]]:
     """Stream a (packed or plain) safetensors checkpoint directory one tensor at a time.
 
@@ -338,7 +338,8 @@ def iter_checkpoint(
     one expanded matrix. Headers are all checked before the first tensor is yielded, so a missing
     partner, a duplicate or a truncated file fails early; every error names the file and tensor.
     With ``allow_bf16`` a matrix that cannot be exact in FP8 comes back as bf16 (``note`` set, also
-    logged as a warning); the caller must report it.
+    logged as a warning); the caller must report it. Names (as yielded) for which ``skip`` is true are neither
+    read nor expanded (another rank's experts).
     """
     entries, roles = _checked_headers(Path(path_dir))
     # compressed-tensors writes no bias-correction vectors: then each MXFP4 matrix gets a zero one. A checkpoint
@@ -361,6 +362,8 @@ def iter_checkpoint(
 
         for name, entry in entries.items():
             role = roles[name]
+            if skip is not None and skip(name if role is None else role[1]):
+                continue
             if role is None:
                 yield name, get(name)
                 continue

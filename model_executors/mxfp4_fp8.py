@@ -27,6 +27,7 @@ holding it (a layer's fused weight, or one expert stack: w13 or w2 of one MoE la
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -321,7 +322,11 @@ direct_register_custom_op(op_name="trn_fp8_experts", op_func=dispatch.fp8_expert
 
 
 def packed_weights(
-    model_dir: str | Path, quantized: Callable[[str], bool], *, keep_bf16: bool | None = None
+    model_dir: str | Path,
+    quantized: Callable[[str], bool],
+    *,
+    keep_bf16: bool | None = None,
+    skip: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The packed checkpoint as the models' load_weights expect it, streamed tensor by tensor.
 
@@ -329,11 +334,12 @@ def packed_weights(
     quantized `<m>` -> `<m>.bias_correction`; the FP8 LM head -> `lm_head.weight`, `lm_head.weight_scale`.
     A matrix that cannot be exact in FP8 stops the load unless `keep_bf16` (default: VLLM_TRN_ALLOW_BF16=1);
     then it comes as `<m>.weight` in bf16 (exact decode) without a scale, and the layer methods hold it in bf16.
+    Tensors whose checkpoint name `skip` accepts are not read (another rank's experts).
     """
     if not Path(model_dir).is_dir():
         raise ValueError(f"{QUANT_NAME}: packed checkpoints are read from a local directory, got {model_dir!r}")
     keep = allow_bf16() if keep_bf16 is None else keep_bf16
-    for name, t in iter_checkpoint(model_dir, allow_bf16=keep):
+    for name, t in iter_checkpoint(model_dir, allow_bf16=keep, skip=skip):
         module, _, leaf = name.rpartition(".")
         if isinstance(t, ExpandedMatrix):
             yield name, t.weight
@@ -343,6 +349,24 @@ def packed_weights(
             yield f"{module}.bias_correction", t
         else:
             yield name, t
+
+
+def other_ranks_experts(moe_layers: dict[int, Any]) -> Callable[[str], bool] | None:
+    """For `packed_weights`' `skip`: the routed experts of `moe_layers` (layer index -> vLLM's MoE layer) that
+    this rank does not hold under expert parallelism (their expert map's -1 entries); None without one."""
+    remote = {}
+    for i, layer in moe_layers.items():
+        if layer.expert_map is not None:
+            remote[i] = {e for e, local in enumerate(layer.expert_map.tolist()) if local < 0}
+    if not remote:
+        return None
+    pattern = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+    def skip(name: str) -> bool:
+        m = pattern.match(name)
+        return m is not None and int(m.group(2)) in remote.get(int(m.group(1)), ())
+
+    return skip
 
 
 def check_all_loaded(model: torch.nn.Module, loaded: set[str]) -> None:

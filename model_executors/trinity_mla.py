@@ -32,7 +32,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_in
 from vllm.sequence import IntermediateTensors
 
 from vllm_trn_plugin.model_executors.latent_attention import TrinityLatentAttention, reserve_key_scale_budget
-from vllm_trn_plugin.model_executors.mxfp4_fp8 import check_all_loaded, packed_weights
+from vllm_trn_plugin.model_executors.mxfp4_fp8 import check_all_loaded, other_ranks_experts, packed_weights
 from vllm_trn_plugin.quantization import TrnMxfp4Fp8Config
 
 
@@ -173,8 +173,9 @@ class TrinityMLAForCausalLM(AfmoeForCausalLM):
         (its errors name the file; MXFP4 matrices arrive expanded to FP8 rows).
         """
         packed = isinstance(self.quant_config, TrnMxfp4Fp8Config)
-        if packed:
-            weights = packed_weights(self.model_dir, self.quant_config.is_mxfp4)
+        if packed:  # under expert parallelism another rank's experts are not even read
+            moe = {i: layer.mlp.experts for i, layer in enumerate(self.model.layers) if layer.moe_enabled}
+            weights = packed_weights(self.model_dir, self.quant_config.is_mxfp4, skip=other_ranks_experts(moe))
         params = dict(self.named_parameters())
         latent_prefixes = tuple(
             f"model.layers.{i}.self_attn."

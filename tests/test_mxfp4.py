@@ -398,6 +398,25 @@ def test_pack_then_iter_checkpoint_round_trip(tmp_path: Path) -> None:
     assert parsed.config_groups["group_0"].weights.group_size == 32
 
 
+def test_iter_checkpoint_skips_what_another_rank_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank under expert parallelism neither reads nor expands the matrices `skip` names (another rank's
+    experts): they and their bias vectors are absent, every other tensor is as without `skip`."""
+    write_src(tmp_path / "src")
+    pack(tmp_path / "src", tmp_path / "dst")
+    expanded: list[str] = []
+    real = packed.expand_rows
+    monkeypatch.setattr(packed, "expand_rows", lambda *a, **k: expanded.append(k["tensor"]) or real(*a, **k))
+    whole = dict(iter_checkpoint(tmp_path / "dst"))
+    expanded.clear()
+    layer0 = "model.layers.0.mlp."
+    part = dict(iter_checkpoint(tmp_path / "dst", skip=lambda name: name.startswith(layer0)))
+    assert set(part) == {n for n in whole if not n.startswith(layer0)} and len(part) < len(whole)
+    assert expanded and not any(t.startswith(layer0) for t in expanded)
+    for name, t in part.items():
+        w = whole[name]
+        assert torch.equal(t.weight, w.weight) if isinstance(t, ExpandedMatrix) else torch.equal(t, w), name
+
+
 def test_pack_refuses_quantized_or_nonmatching_sources(tmp_path: Path) -> None:
     write_src(tmp_path / "src")
     with pytest.raises(ValueError, match="matched"):
