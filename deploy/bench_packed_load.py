@@ -61,29 +61,30 @@ print("RESULT" + json.dumps({"ready_s": ready, "peak_rss": hwm, "expert_bytes": 
 """
 
 
-CHILD_TP = """
-import json, sys
-from vllm import LLM
-llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=512, enforce_eager=True, kv_cache_memory_bytes=64 << 20,
-          tensor_parallel_size=int(sys.argv[2]), distributed_executor_backend="mp")
+def child_per_rank(ckpt: str, tp: int) -> None:
+    """The child process of part 3 (this script with --child-tp): one engine, each worker's figures on stdout."""
+    from vllm import LLM
 
-def rank_memory(model):
-    status = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("Vm") or
-              l.startswith("Rss")}
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                  if ".experts." in n and (".w13_" in n or ".w2_" in n))
-    return {"param_bytes": params, "expert_bytes": experts, "rss_anon": status["RssAnon"], "peak_rss": status["VmHWM"]}
+    from vllm_trn_plugin.bench.local import worker_memory
 
-print("RESULT" + json.dumps(llm.apply_model(rank_memory)))
-"""
+    llm = LLM(
+        model=ckpt,
+        dtype="bfloat16",
+        max_model_len=512,
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 << 20,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp",
+    )
+    print("RESULT" + json.dumps(llm.apply_model(worker_memory)), flush=True)
 
 
 def load_per_rank(ckpt: Path, tp: int) -> list[dict]:
     """The packed checkpoint at tensor-parallel size `tp` in a fresh engine: each worker's memory figures."""
     env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # apply_model ships a function to the workers
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # the plugin binds the workers itself
-    proc = subprocess.run([sys.executable, "-c", CHILD_TP, str(ckpt), str(tp)], capture_output=True, text=True, env=env)
+    cmd = [sys.executable, __file__, "--child-tp", str(ckpt), str(tp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
     if not line:
         raise SystemExit(f"engine on {ckpt} at TP={tp} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -198,7 +199,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--tensor-parallel-sizes", type=int, nargs="*", default=[1, 2], help="part 3 (none: skip)")
     ap.add_argument("--out", default="bench-out/bench_packed_load")
+    ap.add_argument("--child-tp", nargs=2, metavar=("CKPT", "TP"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child_tp:
+        child_per_rank(args.child_tp[0], int(args.child_tp[1]))
+        return
     from vllm_trn_plugin.loaders.packed import pack
 
     root = Path(args.out)

@@ -44,7 +44,8 @@ from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
 from vllm_trn_plugin.kernels import dispatch
 from vllm_trn_plugin.kernels.latent_decode_nki import gather_blocks
 
-logger = init_logger(__name__)
+# Under vLLM's logger tree: vLLM configures only that one, so an INFO line elsewhere is dropped.
+logger = init_logger(f"vllm.{__name__}")
 
 
 def kv_heads_of_rank(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:

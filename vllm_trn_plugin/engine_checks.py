@@ -32,7 +32,8 @@ from vllm.model_executor.models.config import MambaModelConfig, VerifyAndUpdateC
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-logger = init_logger(__name__)
+# Under vLLM's logger tree: vLLM configures only that one, so an INFO line elsewhere is dropped.
+logger = init_logger(f"vllm.{__name__}")
 
 # Opaque ops whose work depends on runtime metadata or data (defined in model_executors/).
 STATEFUL_OPS = ("vllm::trn_laplace_mixer", "vllm::trn_latent_attention", "vllm::trn_fp8_experts")

@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -104,3 +105,19 @@ def serve_demo(
     else:
         extra.remove("--no-enforce-eager")
     return LocalServer(cmd + extra, f"http://127.0.0.1:{port}", log, env)
+
+
+def worker_memory(model: Any) -> dict[str, int]:
+    """For `LLM.apply_model` (a function its workers can import): the bytes of the parameters the worker holds, of
+    its routed experts, its anonymous resident memory (RssAnon) and its peak RSS (VmHWM, file pages included)."""
+    status = {}
+    for line in open("/proc/self/status"):
+        if line.startswith(("Vm", "Rss")):
+            status[line.split(":")[0]] = int(line.split()[1]) * 1024
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    experts = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if ".experts." in n and (".w13_" in n or ".w2_" in n)
+    )
+    return {"param_bytes": params, "expert_bytes": experts, "rss_anon": status["RssAnon"], "peak_rss": status["VmHWM"]}
