@@ -66,22 +66,20 @@ import argparse
 import gzip
 import json
 import os
-import queue
 import random
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from vllm_trn_plugin.bench.local import EngineChild, answer, plugin_state
+
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"mla": "TrinityMLAForCausalLM", "afmoe": "AfmoeForCausalLM"}
 LABEL = {"mla": "MLA-Trinity", "afmoe": "built-in AFMoE"}
-PROTO = "@@BENCH "
 CPU_BLOCK = 128  # vLLM 0.32 CPU default block size (platforms/cpu.py) when the model is not DeepSeek-MLA
 MiB = 1 << 20
 INTERESTING_LOG = re.compile(
@@ -134,7 +132,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# Child: one vLLM engine, driven by JSON lines on stdin; answers are stdout lines prefixed PROTO
+# Child: one vLLM engine, driven by JSON lines on stdin; answers go out through bench.local.answer
 # --------------------------------------------------------------------------------------------
 
 
@@ -142,10 +140,6 @@ def child_main(model_dir: str, engine_json: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import ProfilerConfig
     from vllm.inputs import TokensPrompt
-
-    def send(obj: dict[str, Any]) -> None:
-        sys.stdout.write(PROTO + json.dumps(obj) + "\n")
-        sys.stdout.flush()
 
     kw = json.loads(engine_json)
     profile_dir = kw.pop("profile_dir", None)
@@ -160,7 +154,7 @@ def child_main(model_dir: str, engine_json: str) -> None:
     t0 = time.perf_counter()
     llm = LLM(model=model_dir, **kw)
     vc = llm.llm_engine.vllm_config
-    send(
+    answer(
         {
             "ready": True,
             "startup_s": time.perf_counter() - t0,
@@ -189,7 +183,7 @@ def child_main(model_dir: str, engine_json: str) -> None:
         m = out.metrics
         tokens = list(out.outputs[0].token_ids)
         n = len(tokens)
-        send(
+        answer(
             {
                 "len": cmd["len"],
                 "n_gen": n,
@@ -210,73 +204,11 @@ def child_main(model_dir: str, engine_json: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-class Engine:
-    """A child process running one vLLM engine; a thread drains its output (protocol lines -> queue, rest -> log)."""
-
-    def __init__(self, key: str, model_dir: Path, engine_kw: dict[str, Any], log_path: Path) -> None:
-        self.key = key
-        self.log_path = log_path
-        self.log_lines: list[str] = []
-        self.answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(model_dir), json.dumps(engine_kw)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=str(REPO),
-        )
-        self._log = open(log_path, "w")  # noqa: SIM115  (closed in close())
-        self._thread = threading.Thread(target=self._drain, daemon=True)
-        self._thread.start()
-
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(PROTO):
-                self.answers.put(json.loads(line[len(PROTO) :]))
-            else:
-                self._log.write(line)
-                self._log.flush()
-                self.log_lines.append(line.rstrip("\n"))
-        self.answers.put(None)  # EOF
-
-    def wait(self, timeout: float = 7200) -> dict[str, Any]:
-        try:
-            ans = self.answers.get(timeout=timeout)
-        except queue.Empty:
-            raise SystemExit(f"{self.key} engine: no answer in {timeout} s; log {self.log_path}") from None
-        if ans is None:
-            tail = "\n".join(self.log_lines[-40:])
-            raise SystemExit(f"{self.key} engine died (rc {self.proc.poll()}); log {self.log_path}:\n{tail}")
-        return ans
-
-    def send(self, cmd: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def request(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        self.send(cmd)
-        return self.wait()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.send({"cmd": "quit"})
-                self.proc.wait(timeout=120)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self._thread.join(timeout=10)
-        self._log.close()
-
-    def grep(self, pattern: str) -> list[str]:
-        rx = re.compile(pattern)
-        return [line for line in self.log_lines if rx.search(line)]
+def start_engine(key: str, model_dir: Path, engine_kw: dict[str, Any], log_path: Path) -> EngineChild:
+    """This script with --child: one vLLM engine in its own process."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(model_dir), json.dumps(engine_kw)]
+    env = {**os.environ}
+    return EngineChild(key, cmd, log_path, env, REPO)
 
 
 def write_checkpoints(args: argparse.Namespace, root: Path, max_pos: int) -> tuple[dict[str, Path], dict[str, Any]]:
@@ -324,7 +256,7 @@ def builtin_kv_bytes(cfg: dict[str, Any], lengths: list[int], mnbt: int, block: 
     }
 
 
-def measure(engines: dict[str, Engine], args: argparse.Namespace, max_tokens: int) -> list[dict[str, Any]]:
+def measure(engines: dict[str, EngineChild], args: argparse.Namespace, max_tokens: int) -> list[dict[str, Any]]:
     keys = list(MODELS)
     runs: list[dict[str, Any]] = []
     total = args.reps * len(args.contexts) * len(keys)
@@ -493,7 +425,7 @@ def analyze_profile(profile_dir: Path, key: str, n_attn_layers: int, cfg: dict[s
 
 
 def run_profiles(  # noqa: ANN201
-    engines: dict[str, Engine],
+    engines: dict[str, EngineChild],
     args: argparse.Namespace,
     cfg: dict[str, Any],
     dirs: dict[str, Path],
@@ -645,24 +577,6 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
             )
 
 
-def plugin_state() -> str:
-    """Which plugin source the engines ran: commit and any uncommitted change under model_executors/."""
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--", "model_executors", "vllm_trn_plugin"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split("\n")
-        dirty = [d.strip() for d in dirty if d.strip()]
-        return f"commit {head}" + (f", UNCOMMITTED changes: {dirty}" if dirty else ", clean")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git)"
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child:
@@ -679,7 +593,7 @@ def main(argv: list[str] | None = None) -> None:
     import vllm
 
     print("== MLA-Trinity vs built-in AFMoE: decode time per token at long context")
-    print(f"vllm {vllm.__version__}; plugin source: {plugin_state()}")
+    print(f"vllm {vllm.__version__}; plugin source: {plugin_state(REPO)}")
     tmp = None
     if args.model_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="bench-trinity-decode-")
@@ -719,7 +633,7 @@ def main(argv: list[str] | None = None) -> None:
         f"output {args.output_len}"
     )
     profile_dirs = {k: log_dir / f"profile-{k}" for k in MODELS}
-    engines: dict[str, Engine] = {}
+    engines: dict[str, EngineChild] = {}
     result: dict[str, Any] = {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "config": cfg,
@@ -727,7 +641,7 @@ def main(argv: list[str] | None = None) -> None:
         "kv_budget": kv,
         "kv_budget_one_request": kv_one,
         "kv_cache_bytes": kv_bytes,
-        "plugin_state": plugin_state(),
+        "plugin_state": plugin_state(REPO),
     }
     try:
         t0 = time.perf_counter()
@@ -738,7 +652,7 @@ def main(argv: list[str] | None = None) -> None:
                     f.unlink()
                 profile_dirs[key].mkdir(parents=True, exist_ok=True)
                 kw["profile_dir"] = str(profile_dirs[key])
-            engines[key] = Engine(key, dirs[key], kw, log_dir / f"{key}.log")
+            engines[key] = start_engine(key, dirs[key], kw, log_dir / f"{key}.log")
         info = {key: eng.wait() for key, eng in engines.items()}
         for key, eng in engines.items():
             info[key]["log_concurrency"] = eng.grep(r"Maximum concurrency")

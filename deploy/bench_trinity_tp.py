@@ -77,21 +77,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from vllm_trn_plugin.bench.local import EngineChild, answer, plugin_state
+
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = {"tp1": 1, "tp2": 2}  # key -> tensor_parallel_size
 LABEL = {"tp1": "TP=1", "tp2": "TP=2"}
-PROTO = "@@BENCH "
 THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 MiB = 1 << 20
 SWITCH_PAUSE_S = 1.5  # > shm_broadcast.SpinCondition.busy_loop_s (1 s): the idle engine's workers stop spinning
@@ -123,7 +121,7 @@ def prompts_for(seed: int, batch: int, length: int) -> list[list[int]]:
 
 
 # --------------------------------------------------------------------------------------------
-# Child: one vLLM engine, driven by JSON lines on stdin; answers are stdout lines prefixed PROTO
+# Child: one vLLM engine, driven by JSON lines on stdin; answers go out through bench.local.answer
 # --------------------------------------------------------------------------------------------
 
 
@@ -158,15 +156,11 @@ def child_main(model_dir: str, engine_json: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    def send(obj: dict[str, Any]) -> None:
-        sys.stdout.write(PROTO + json.dumps(obj) + "\n")
-        sys.stdout.flush()
-
     kw = json.loads(engine_json)
     t0 = time.perf_counter()
     llm = LLM(model=model_dir, **kw)
     vc = llm.llm_engine.vllm_config
-    send(
+    answer(
         {
             "ready": True,
             "startup_s": time.perf_counter() - t0,
@@ -186,9 +180,9 @@ def child_main(model_dir: str, engine_json: str) -> None:
             break
         if cmd["cmd"] == "worker_info":
             try:
-                send({"workers": llm.collective_rpc(_worker_info, timeout=120)})
+                answer({"workers": llm.collective_rpc(_worker_info, timeout=120)})
             except Exception as exc:  # noqa: BLE001  (diagnostic only: report it, keep the engine)
-                send({"workers": None, "error": f"{type(exc).__name__}: {exc}"})
+                answer({"workers": None, "error": f"{type(exc).__name__}: {exc}"})
             continue
         ids = prompts_for(cmd["prompt_seed"], cmd["batch"], cmd["len"])
         sampling = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True)
@@ -197,7 +191,7 @@ def child_main(model_dir: str, engine_json: str) -> None:
         wall = time.perf_counter() - t0
         ms = [o.metrics for o in outs]
         have = all(m is not None for m in ms)
-        send(
+        answer(
             {
                 "wall_s": wall,
                 "n_gen": [len(o.outputs[0].token_ids) for o in outs],
@@ -216,75 +210,19 @@ def child_main(model_dir: str, engine_json: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-class Engine:
-    """A child process running one vLLM engine; a thread drains its output (protocol lines -> queue, rest -> log)."""
+def start_engine(key: str, model_dir: Path, engine_kw: dict[str, Any], log_path: Path) -> EngineChild:
+    """This script with --child: one vLLM engine in its own process."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(model_dir), json.dumps(engine_kw)]
+    env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    # Each engine chooses its own binding: the plugin sets one in the TP=2 child; TP=1 keeps vLLM's "auto".
+    env.pop(THREADS_BIND, None)
+    return EngineChild(LABEL[key], cmd, log_path, env, REPO)
 
-    def __init__(self, key: str, model_dir: Path, engine_kw: dict[str, Any], log_path: Path) -> None:
-        self.key = key
-        self.log_path = log_path
-        self.log_lines: list[str] = []
-        self.answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(model_dir), json.dumps(engine_kw)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-        # Each engine chooses its own binding: the plugin sets one in the TP=2 child; TP=1 keeps vLLM's "auto".
-        env.pop(THREADS_BIND, None)
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=str(REPO),
-        )
-        self._log = open(log_path, "w")  # noqa: SIM115  (closed in close())
-        self._thread = threading.Thread(target=self._drain, daemon=True)
-        self._thread.start()
 
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(PROTO):
-                self.answers.put(json.loads(line[len(PROTO) :]))
-            else:
-                self._log.write(line)
-                self._log.flush()
-                self.log_lines.append(line.rstrip("\n"))
-        self.answers.put(None)  # EOF
-
-    def wait(self, timeout: float = 3600) -> dict[str, Any]:
-        try:
-            ans = self.answers.get(timeout=timeout)
-        except queue.Empty:
-            raise SystemExit(f"{LABEL[self.key]} engine: no answer in {timeout} s; log {self.log_path}") from None
-        if ans is None:
-            tail = "\n".join(self.log_lines[-40:])
-            raise SystemExit(f"{LABEL[self.key]} engine died (rc {self.proc.poll()}); log {self.log_path}:\n{tail}")
-        return ans
-
-    def request(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self.wait()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=120)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self._thread.join(timeout=10)
-        self._log.close()
-
-    def binding_log(self) -> list[str]:
-        """vLLM's "OpenMP thread binding info" record (and any warning of ompmultiprocessing.py), one entry per line
-        of its multi-line message; vLLM repeats the "(EngineCore pid=...) INFO date [file:line]" prefix on each."""
-        return [line.split("] ", 1)[-1].strip() for line in self.log_lines if "[ompmultiprocessing.py:" in line]
+def binding_log(eng: EngineChild) -> list[str]:
+    """vLLM's "OpenMP thread binding info" record (and any warning of ompmultiprocessing.py), one entry per line
+    of its multi-line message; vLLM repeats the "(EngineCore pid=...) INFO date [file:line]" prefix on each."""
+    return [line.split("] ", 1)[-1].strip() for line in eng.log_lines if "[ompmultiprocessing.py:" in line]
 
 
 def write_checkpoint(args: argparse.Namespace, root: Path) -> Path:
@@ -302,7 +240,7 @@ def write_checkpoint(args: argparse.Namespace, root: Path) -> Path:
     return report.dst
 
 
-def measure_one(eng: Engine, args: argparse.Namespace, batch: int, prompt_seed: int) -> dict[str, Any]:
+def measure_one(eng: EngineChild, args: argparse.Namespace, batch: int, prompt_seed: int) -> dict[str, Any]:
     """The same B prompts with max_tokens=1 and =N, back to back; throughputs from the two wall times."""
     n = args.output_len
     base = {"cmd": "generate", "batch": batch, "len": args.prompt_len, "prompt_seed": prompt_seed}
@@ -334,7 +272,7 @@ def measure_one(eng: Engine, args: argparse.Namespace, batch: int, prompt_seed: 
     return res
 
 
-def measure(engines: dict[str, Engine], args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure(engines: dict[str, EngineChild], args: argparse.Namespace) -> list[dict[str, Any]]:
     keys = list(engines)
     runs: list[dict[str, Any]] = []
     total = args.reps * len(args.batch_sizes) * len(keys)
@@ -472,24 +410,6 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
     )
 
 
-def plugin_state() -> str:
-    """Which plugin source the engines ran: commit and any uncommitted change in the plugin's packages."""
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--", "model_executors", "vllm_trn_plugin", "loaders"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split("\n")
-        dirty = [d.strip() for d in dirty if d.strip()]
-        return f"commit {head}" + (f", UNCOMMITTED changes: {dirty}" if dirty else ", clean")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git)"
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child:
@@ -509,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cores = sorted(os.sched_getaffinity(0))
     print(f"== MLA-Trinity decode throughput, tensor parallelism 2 vs 1 (cores allowed: {cores})")
-    print(f"vllm {vllm.__version__}; plugin source: {plugin_state()}")
+    print(f"vllm {vllm.__version__}; plugin source: {plugin_state(REPO)}")
     if THREADS_BIND in os.environ:
         print(
             f"WARNING: {THREADS_BIND}={os.environ[THREADS_BIND]!r} is set here; it is removed for both engines "
@@ -538,10 +458,10 @@ def main(argv: list[str] | None = None) -> None:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "cores": cores,
         "engine_kw": engine_kw,
-        "plugin_state": plugin_state(),
+        "plugin_state": plugin_state(REPO),
         "vllm": vllm.__version__,
     }
-    engines: dict[str, Engine] = {}
+    engines: dict[str, EngineChild] = {}
     try:
         t0 = time.perf_counter()
         model_dir = write_checkpoint(args, root)
@@ -561,7 +481,9 @@ def main(argv: list[str] | None = None) -> None:
         info: dict[str, dict[str, Any]] = {}
         for key, tp in ENGINES.items():  # one after the other: startups must not share the cores
             t0 = time.perf_counter()
-            engines[key] = Engine(key, model_dir, {**engine_kw, "tensor_parallel_size": tp}, log_dir / f"{key}.log")
+            engines[key] = start_engine(
+                key, model_dir, {**engine_kw, "tensor_parallel_size": tp}, log_dir / f"{key}.log"
+            )
             info[key] = engines[key].wait()
             print(f"{LABEL[key]} engine up ({time.perf_counter() - t0:.0f} s)", flush=True)
 
@@ -582,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
             w = eng.request({"cmd": "worker_info"})
             info[key]["workers"] = w["workers"]
             info[key]["workers_error"] = w.get("error")
-            info[key]["log_binding"] = eng.binding_log()
+            info[key]["log_binding"] = binding_log(eng)
         result["engines"] = info
         result["warmup"] = {key: {str(b): v for b, v in d.items()} for key, d in warm.items()}
         a, b_ = warm["tp1"][max_batch]["tokens0"], warm["tp2"][max_batch]["tokens0"]

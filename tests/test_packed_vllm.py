@@ -414,13 +414,31 @@ def _check_shards(ranks: list[dict], weights: dict[str, torch.Tensor], tp: int, 
     return compared
 
 
+@pytest.fixture(scope="module")
+def trinity_biased(trinity_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The packed checkpoint with random bias-correction vectors (RTN packing writes zeros), so that where each
+    rank adds them is seen: a row-parallel one added on every rank would count tp times."""
+    from safetensors.torch import load_file, save_file
+
+    dst = shutil.copytree(trinity_dirs[1], tmp_path_factory.mktemp("trinity-biased") / "packed")
+    g = torch.Generator().manual_seed(25)
+    for f in dst.glob("*.safetensors"):
+        t = load_file(str(f))
+        for name in [n for n in t if n.endswith(".bias") and n.removesuffix(".bias") + ".weight_packed" in t]:
+            t[name] = (torch.randn(t[name].shape, generator=g) * 0.05).to(t[name].dtype)
+        save_file(t, str(f), {"format": "pt"})
+    return dst
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_trinity_packed_sharded_equals_its_fp8_reference(trinity_dirs: tuple[Path, Path], layout: str) -> None:
-    """A packed checkpoint at tensor parallelism 2 (experts split by their intermediate rows) and at expert
-    parallelism 2 (experts whole, four per rank): each rank holds exactly its part of the FP8 rows, and the served
-    logits are the reference's doing the same rounding, within the FP8-flip bound of the test above (same prompts
-    and checks)."""
-    mla, packed = trinity_dirs
+def test_trinity_packed_sharded_equals_its_fp8_reference(
+    trinity_dirs: tuple[Path, Path], trinity_biased: Path, layout: str
+) -> None:
+    """A packed checkpoint (with nonzero bias corrections) at tensor parallelism 2 (experts split by their
+    intermediate rows) and at expert parallelism 2 (experts whole, four per rank): each rank holds exactly its part
+    of the FP8 rows and of the bias corrections, and the served logits are the reference's doing the same rounding,
+    within the FP8-flip bound of the test above (same prompts and checks)."""
+    mla, packed = trinity_dirs[0], trinity_biased
     engine_kw, rounding = LAYOUTS[layout]
     prompts = random_prompts(len(TRINITY_LENGTHS), TRINITY_LENGTHS, seed=22)
     with worker_functions_allowed():
@@ -431,6 +449,7 @@ def test_trinity_packed_sharded_equals_its_fp8_reference(trinity_dirs: tuple[Pat
         finally:
             del llm
     weights, fp8 = load_packed(packed)
+    assert all(weights[n].abs().max() > 0 for n in weights if n.endswith("down_proj.bias")), "biases must be nonzero"
     compared = _check_shards(ranks, weights, 2, "enable_expert_parallel" in engine_kw)
     ref = patch_afmoe_fp8(copy.deepcopy(load_hf_model(mla)), weights, fp8, **rounding)
     errs = []

@@ -1,13 +1,18 @@
 """Local processes for benchmark scripts: a `vllm-trn serve` (or any server command) in its own process
-group, waited for on /health and always stopped with its whole group."""
+group, waited for on /health and always stopped with its whole group; an engine in a child process driven by
+JSON lines (`EngineChild`, `answer`); which plugin source a run used (`plugin_state`)."""
 
 from __future__ import annotations
 
+import json
 import os
+import queue
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -121,3 +126,97 @@ def worker_memory(model: Any) -> dict[str, int]:
         if ".experts." in n and (".w13_" in n or ".w2_" in n)
     )
     return {"param_bytes": params, "expert_bytes": experts, "rss_anon": status["RssAnon"], "peak_rss": status["VmHWM"]}
+
+
+PROTO = "@@BENCH "  # marks a child's answers among the log lines on its stdout
+
+
+def answer(obj: dict[str, Any]) -> None:
+    """In an `EngineChild`'s process: send one answer to the parent."""
+    sys.stdout.write(PROTO + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+class EngineChild:
+    """A child process `cmd` (one vLLM engine) driven by JSON lines on its stdin. Its answers are the stdout lines
+    `answer` writes; a thread drains the rest into `log_path` and `log_lines`. `{"cmd": "quit"}` ends it."""
+
+    def __init__(self, label: str, cmd: list[str], log_path: Path, env: dict[str, str], cwd: Path) -> None:
+        self.label, self.log_path = label, log_path
+        self.log_lines: list[str] = []
+        self.answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**env, "PYTHONUNBUFFERED": "1"},
+            cwd=str(cwd),
+        )
+        self._log = open(log_path, "w")  # noqa: SIM115  (closed in close())
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(PROTO):
+                self.answers.put(json.loads(line[len(PROTO) :]))
+            else:
+                self._log.write(line)
+                self._log.flush()
+                self.log_lines.append(line.rstrip("\n"))
+        self.answers.put(None)  # EOF
+
+    def wait(self, timeout: float = 7200) -> dict[str, Any]:
+        try:
+            ans = self.answers.get(timeout=timeout)
+        except queue.Empty:
+            raise SystemExit(f"{self.label} engine: no answer in {timeout} s; log {self.log_path}") from None
+        if ans is None:
+            tail = "\n".join(self.log_lines[-40:])
+            raise SystemExit(f"{self.label} engine died (rc {self.proc.poll()}); log {self.log_path}:\n{tail}")
+        return ans
+
+    def send(self, cmd: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def request(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.send(cmd)
+        return self.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"cmd": "quit"})
+                self.proc.wait(timeout=120)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._thread.join(timeout=10)
+        self._log.close()
+
+    def grep(self, pattern: str) -> list[str]:
+        rx = re.compile(pattern)
+        return [line for line in self.log_lines if rx.search(line)]
+
+
+def plugin_state(repo: Path) -> str:
+    """Which plugin source a run used: the commit of `repo` and any uncommitted change in the plugin's packages."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain", "--", "model_executors", "vllm_trn_plugin", "loaders"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split("\n")
+        dirty = [d.strip() for d in dirty if d.strip()]
+        return f"commit {head}" + (f", UNCOMMITTED changes: {dirty}" if dirty else ", clean")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git)"
