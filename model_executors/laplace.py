@@ -252,7 +252,7 @@ class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         super().__init__()
         config: LaplaceConfig = vllm_config.model_config.hf_config
         if vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise ValueError("LaplaceForCausalLM: --tensor-parallel-size must be 1 (see engine_checks.py)")
+            raise ValueError("LaplaceForCausalLM has no tensor-parallel layout: --tensor-parallel-size must be 1")
         self.config = config
         self.quant_config = vllm_config.quant_config
         self.model_dir = vllm_config.model_config.model
