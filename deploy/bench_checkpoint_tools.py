@@ -34,8 +34,8 @@ import torch
 SEQ = 2048
 CHILD = """
 import json, sys, torch
-from vllm_trn_plugin.convert_mla import convert_mla
-from vllm_trn_plugin.quantize import QuantizeOptions, quantize
+from vllm_trn_plugin.tools.convert_mla import convert_mla
+from vllm_trn_plugin.tools.quantize import QuantizeOptions, quantize
 tool, src, dst, tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 calib = torch.randint(0, 256, (tokens // 2048, 2048), generator=torch.Generator().manual_seed(0))
 if tool == "convert":

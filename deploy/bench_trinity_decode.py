@@ -20,7 +20,7 @@ Options: `--help`. `--no-profile` skips part 3.
 What it does:
 1. One random float32 AFMoE checkpoint with Trinity-Mini's attention geometry (head_dim 128, 32 q heads,
    4 KV heads, layers [S, S, S, F], sliding window 2048, muP, sandwich norms, gated output) and a small
-   MLP/MoE (hidden 512, 4 experts, top-2): `tests/afmoe_reference.make_random_afmoe(..., full_kv_rank=256)`
+   MLP/MoE (hidden 512, 4 experts, top-2): `tests/references/afmoe.make_random_afmoe(..., full_kv_rank=256)`
    (imported with the repository root put on sys.path), whose global layer's [k_proj; v_proj] has rank 256
    by construction, and its exact MLA conversion `convert_to_mla(..., kv_lora_rank=256)`. The two
    directories compute the same function (up to float32 rounding); the first output tokens are compared as a
@@ -212,10 +212,10 @@ def start_engine(key: str, model_dir: Path, engine_kw: dict[str, Any], log_path:
 
 
 def write_checkpoints(args: argparse.Namespace, root: Path, max_pos: int) -> tuple[dict[str, Path], dict[str, Any]]:
-    """The random AFMoE checkpoint and its exact MLA conversion (tests/afmoe_reference.py)."""
+    """The random AFMoE checkpoint and its exact MLA conversion (tests/references/afmoe.py)."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from tests.afmoe_reference import convert_to_mla, make_random_afmoe
+    from tests.references.afmoe import convert_to_mla, make_random_afmoe
 
     if args.layers % 4:
         raise SystemExit(f"--layers {args.layers}: must be a multiple of 4 ([S, S, S, F] blocks)")
@@ -603,7 +603,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     dirs, cfg = write_checkpoints(args, root, max_pos)
     print(
-        f"checkpoint ({time.perf_counter() - t0:.0f} s): tests/afmoe_reference.make_random_afmoe(full_kv_rank="
+        f"checkpoint ({time.perf_counter() - t0:.0f} s): tests/references/afmoe.make_random_afmoe(full_kv_rank="
         f"{args.kv_lora_rank}) + convert_to_mla(kv_lora_rank={args.kv_lora_rank}); hidden {cfg['hidden_size']}, "
         f"{cfg['num_hidden_layers']} layers {[t[0].upper() for t in cfg['layer_types']]}, "
         f"{cfg['num_attention_heads']} q / {cfg['num_key_value_heads']} KV heads x {cfg['head_dim']}, window "

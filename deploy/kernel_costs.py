@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_trn_plugin.kernels import fp8_expert_nki, gla_decode_nki, latent_decode_nki
+from vllm_trn_plugin.kernels import fp8_expert_nki, latent_decode_nki, simple_gla_nki
 from vllm_trn_plugin.kernels.nki_shim import nki, simulate
 
 HBM_BYTES_PER_S = 2.9e12 / 8
@@ -75,12 +75,12 @@ def verify() -> None:
     # GLA step, B = 4 at full geometry
     b = 4
     pool = torch.randn(6, GLA_H, DK, DV, generator=g)
-    gla_decode_nki.gla_decode_nki(
+    simple_gla_nki.gla_decode_nki(
         torch.randn(b, GLA_H, DK, generator=g).bfloat16(), torch.randn(b, GLA_H, DK, generator=g).bfloat16(),
         torch.randn(b, GLA_H, DV, generator=g).bfloat16(), torch.randn(GLA_H, DK, generator=g),
         -torch.rand(GLA_H, generator=g), DK**-0.5, pool, torch.tensor([3, 0, 5, 1], dtype=torch.int32), simulate,
     )  # fmt: skip
-    want = gla_decode_nki.gla_decode_cost(b)
+    want = simple_gla_nki.gla_decode_cost(b)
     _check("GLA step", _counts(nki.last_counters()), want, {"dma": "dma_bytes", "matmuls": "matmuls"})
 
 
@@ -122,7 +122,7 @@ def table() -> list[str]:
                  c["min_dma_bytes"], c["dma_instructions"], c["matmul_instructions"], {"fp8": c["matmul_macs"]})
         )  # fmt: skip
     for b in (1, 8, 32, 64):
-        c = gla_decode_nki.gla_decode_cost(b)
+        c = simple_gla_nki.gla_decode_cost(b)
         macs = b * GLA_H * DK * DV * (1 + GLA_H)  # k v^T, and q^T S as a [dk, H] masked stationary per head
         rows.append(
             _row("GLA step", f"B={b}, one layer", c["dma_bytes"], c["dma_min_bytes"], c["dma_instructions"],

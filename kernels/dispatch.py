@@ -68,7 +68,7 @@ def gla_decode_step(
         from vllm_trn_plugin.kernels.simple_gla import simple_gla_decode_step
 
         return simple_gla_decode_step(q, k, v, aug, log_decay, scale, state_pool, slots)
-    from vllm_trn_plugin.kernels.gla_decode_nki import gla_decode_nki
+    from vllm_trn_plugin.kernels.simple_gla_nki import gla_decode_nki
 
     return gla_decode_nki(q, k, v, aug, log_decay, scale, state_pool, slots, runner)
 
@@ -85,11 +85,11 @@ def fp8_experts(
     b2: torch.Tensor,
     all_local: bool,
 ) -> torch.Tensor:
-    """MLA-Trinity's routed FP8 experts (kernels/fp8_matmul.fp8_experts). A stack held in bf16 (the
+    """MLA-Trinity's routed FP8 experts (kernels/fp8_expert.fp8_experts). A stack held in bf16 (the
     VLLM_TRN_ALLOW_BF16 opt-in) always takes the torch path: the kernel is FP8 x FP8 only. `all_local` False
     (expert parallelism): ids < 0 name other ranks' experts."""
-    from vllm_trn_plugin.kernels.fp8_matmul import FP8_DTYPE
-    from vllm_trn_plugin.kernels.fp8_matmul import fp8_experts as torch_path
+    from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE
+    from vllm_trn_plugin.kernels.fp8_expert import fp8_experts as torch_path
 
     runner = kernel_runner(x.device)
     if runner is None or w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:

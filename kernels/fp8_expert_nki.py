@@ -1,10 +1,10 @@
 """FP8 x FP8 routed-expert MLP as NKI 0.6 kernels for Trainium2 (MLA-Trinity's experts).
 
-The op (kernels/fp8_matmul.fp8_experts, the torch path; every product FP8, fp32 accumulation):
+The op (kernels/fp8_expert.fp8_experts, the torch path; every product FP8, fp32 accumulation):
 
     out[t] = sum_k topk_weights[t, k] * y_e(x[t]),   e = topk_ids[t, k]
     y_e(x) = L(Q(h), w2[e], s2[e], b2[e]),   h = SiLU(gate) * up,   [gate | up] = L(Q(x), w13[e], s13[e], b13[e])
-    L(q, w, s_row, b)[t, n] = ((sum_k q[t, k] * w[n, k]) * s_tok[t]) * s_row[n] + b[n]      (kernels/fp8_matmul.py)
+    L(q, w, s_row, b)[t, n] = ((sum_k q[t, k] * w[n, k]) * s_tok[t]) * s_row[n] + b[n]      (kernels/fp8_expert.py)
 
 with w13 [E, 2I, Hd] FP8 (gate rows, then up rows), w2 [E, Hd, I] FP8, s*/b* float32 per row, and Q the
 per-token quantization to Trainium2 E4M3 (one scale per token, computed here inside the kernel):
@@ -15,7 +15,7 @@ per-token quantization to Trainium2 E4M3 (one scale per token, computed here ins
 The ISA has no divide (the ALU table [SHARED] lists reciprocal, not divide; NKI 0.6's device compiler
 rejects ``op0=nl.divide`` although simulators accept it — third-party kernels in the search index record
 "unsupported operator 'divide'"), so ``240 / a`` and ``a / 240`` become ``240 * (1 / a)`` and
-``a * fp32(1 / 240)``; the project's ``quantize_per_token`` (kernels/fp8_matmul.py) computes exactly
+``a * fp32(1 / 240)``; the project's ``quantize_per_token`` (kernels/fp8_expert.py) computes exactly
 this, so the torch path and the kernel produce the same FP8 codes and scales, bit for bit. The floor
 2^-100 keeps 240 / a finite and s_tok a normal fp32 number (a zero row: codes 0, product 0).
 The clamp catches v * inv rounding one ulp past 240 (a fifth of all rows): round-to-nearest-even
@@ -92,7 +92,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from vllm_trn_plugin.kernels.fp8_matmul import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, INV_FP8_MAX, quantize_per_token
+from vllm_trn_plugin.kernels.fp8_expert import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, INV_FP8_MAX, quantize_per_token
 from vllm_trn_plugin.kernels.nki_shim import nisa, nki, nl
 
 P = 128  # partitions

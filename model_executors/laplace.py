@@ -46,7 +46,7 @@ from vllm_trn_plugin.kernels.simple_gla import (
 )
 from vllm_trn_plugin.model_executors.gla_state import GLAStateBackend, GLAStateMetadata
 from vllm_trn_plugin.model_executors.mxfp4_fp8 import check_all_loaded, packed_weights
-from vllm_trn_plugin.quantization import TrnMxfp4Fp8Config
+from vllm_trn_plugin.model_executors.mxfp4_fp8_config import TrnMxfp4Fp8Config
 
 
 def laplace_state_shapes(config: LaplaceConfig) -> tuple[tuple[int, ...], ...]:

@@ -1,4 +1,4 @@
-"""FP8 layer methods for packed MXFP4 checkpoints (the `trn-mxfp4-fp8` method, vllm_trn_plugin/quantization.py).
+"""FP8 layer methods for packed MXFP4 checkpoints (the `trn-mxfp4-fp8` method, model_executors/mxfp4_fp8_config.py).
 
 The layers hold what the loader produces (loaders/mxfp4.py: exact MXFP4 -> FP8 rows):
 
@@ -14,7 +14,7 @@ row-parallel one (down_proj, the experts' w2) its columns under the whole rows' 
 scale holds every part of it exactly) and the bias correction on rank 0 only, so that the all-reduce adds it
 once. Under expert parallelism a rank holds whole experts, those vLLM's expert map gives it.
 
-Every one computes kernels/fp8_matmul.fp8_linear (per-token FP8 activations, FP8 x FP8, fp32
+Every one computes kernels/fp8_expert.fp8_linear (per-token FP8 activations, FP8 x FP8, fp32
 accumulation, both scales on the accumulator's output, then the bias). Everything else (attention,
 norms, embeddings, routers) is unquantized.
 
@@ -44,10 +44,10 @@ from vllm.utils.torch_utils import direct_register_custom_op
 
 from vllm_trn_plugin.envs import ALLOW_BF16, allow_bf16
 from vllm_trn_plugin.kernels import dispatch
-from vllm_trn_plugin.kernels.fp8_matmul import FP8_DTYPE, row_linear
+from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, row_linear
 from vllm_trn_plugin.loaders.mxfp4 import CheckpointFormatError, ExpandedMatrix
 from vllm_trn_plugin.loaders.packed import iter_checkpoint
-from vllm_trn_plugin.quantization import QUANT_NAME
+from vllm_trn_plugin.model_executors.mxfp4_fp8_config import QUANT_NAME
 
 logger = init_logger(__name__)
 

@@ -33,7 +33,7 @@ from vllm.sequence import IntermediateTensors
 
 from vllm_trn_plugin.model_executors.latent_attention import TrinityLatentAttention, reserve_key_scale_budget
 from vllm_trn_plugin.model_executors.mxfp4_fp8 import check_all_loaded, other_ranks_experts, packed_weights
-from vllm_trn_plugin.quantization import TrnMxfp4Fp8Config
+from vllm_trn_plugin.model_executors.mxfp4_fp8_config import TrnMxfp4Fp8Config
 
 
 def is_latent_layer(config, layer_idx: int) -> bool:  # noqa: ANN001

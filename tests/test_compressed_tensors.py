@@ -1,6 +1,6 @@
 """MLA-Trinity served from MXFP4 checkpoints written by compressed-tensors itself, as llm-compressor writes them.
 
-The checkpoint: a random AFMoE (tests/afmoe_reference.py) converted to MLA-Trinity, its tensors put back into torch
+The checkpoint: a random AFMoE (tests/references/afmoe.py) converted to MLA-Trinity, its tensors put back into torch
 modules under the checkpoint's names (every matrix an `nn.Linear`, each expert its own, as llm-compressor unfuses
 MoE experts to calibrate them; the embedding an `nn.Embedding`), then compressed-tensors' own lifecycle:
 `apply_quantization_config` with its MXFP4A16 preset on targets ["Linear"] and a recipe's ignore list, each weight's
@@ -12,7 +12,7 @@ by its exact name). Nothing of the plugin's packer is involved; the files carry 
 The reference decompresses every MXFP4 matrix with compressed-tensors' own decompressor (the compressor its registry
 holds for the declared format; its model-free `CompressedTensorsDequantizer` asks MXFP4 for an NVFP4 global scale
 in 0.17 and cannot read these files) and computes transformers' AfmoeForCausalLM with those matrices under the FP8
-numerics the plugin serves them with (tests/packed_reference.py: per-token FP8 activations, float64 matmuls; attention,
+numerics the plugin serves them with (tests/references/packed.py: per-token FP8 activations, float64 matmuls; attention,
 router and norms transformers' own). Rounding activations to FP8 turns float32-vs-float64 noise into jumps: an input
 near an FP8 rounding midpoint lands on either neighbour, the KV cache carries it on, and through a near-tied router
 one such flip moved a logit by 2.3 here (7-token prompt, step 1); the reference with its own activations perturbed
@@ -38,9 +38,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tests import packed_reference
-from tests.afmoe_reference import convert_to_mla, load_hf_model, make_random_afmoe
-from tests.conftest import greedy_logits, random_prompts, read_safetensors_dir
+from tests.helpers import greedy_logits, random_prompts, read_safetensors_dir
+from tests.references import packed as packed_reference
+from tests.references.afmoe import convert_to_mla, load_hf_model, make_random_afmoe
 from tests.test_checkpoint_errors import LOAD_ALL
 
 pytestmark = pytest.mark.vllm

@@ -1,7 +1,7 @@
 """`vllm-trn convert-mla`: AFMoE -> MLA-Trinity by whitened joint SVD + least-squares refit (convert_mla.py).
 
 References are independent of the tool: transformers' `AfmoeForCausalLM` on the original checkpoint and on the
-converted one (loaded with k_proj/v_proj = kv_b_proj @ kv_a_proj, which is what MLA computes: tests/afmoe_reference.py),
+converted one (loaded with k_proj/v_proj = kv_b_proj @ kv_a_proj, which is what MLA computes),
 and the test-side plain SVD conversion `convert_to_mla` as the baseline. Errors are measured on held-out token
 sequences, never the calibration ones.
 
@@ -20,14 +20,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.afmoe_reference import clear_model_cache, convert_to_mla, load_hf_model, make_random_afmoe
-from tests.conftest import random_prompts, token_prompts
-from vllm_trn_plugin.afmoe_layers import model_logits
-from vllm_trn_plugin.calibration import load_calibration
+from tests.helpers import random_prompts, token_prompts
+from tests.references.afmoe import clear_model_cache, convert_to_mla, load_hf_model, make_random_afmoe
 from vllm_trn_plugin.cli import main as cli
-from vllm_trn_plugin.convert_mla import convert_mla
 from vllm_trn_plugin.loaders.mxfp4 import CheckpointFormatError
 from vllm_trn_plugin.loaders.packed import iter_checkpoint
+from vllm_trn_plugin.tools.afmoe_forward import model_logits
+from vllm_trn_plugin.tools.calibration import load_calibration
+from vllm_trn_plugin.tools.convert_mla import convert_mla
 
 SEQ = 128  # > the sliding window (64): the sliding mask is exercised
 CALIB = torch.randint(0, 256, (16, SEQ), generator=torch.Generator().manual_seed(7))

@@ -1,5 +1,5 @@
 """The FP8 expert NKI kernels (kernels/fp8_expert_nki.py) in the NKI emulator, against float64 math, their torch
-reference and the model's torch path (kernels/fp8_matmul.fp8_experts).
+reference and the model's torch path (kernels/fp8_expert.fp8_experts).
 
 Bounds used below (u = 2^-24, fp32 rounding): a matmul of exact FP8 products summed in n fp32 steps, then scaled
 twice and biased, is within (n + 3) u (|q| |w|^T s_tok s_row + |b|) of the float64 value; n = K / 256 for the kernel
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_trn_plugin.kernels import fp8_expert_nki as K
-from vllm_trn_plugin.kernels.fp8_matmul import fp8_experts, fp8_linear, quantize_per_token
+from vllm_trn_plugin.kernels.fp8_expert import fp8_experts, fp8_linear, quantize_per_token
 from vllm_trn_plugin.kernels.nki_shim import nki, simulate
 
 U = 2.0**-24

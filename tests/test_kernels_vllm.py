@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import count_calls, greedy_params, random_prompts, token_prompts
+from tests.helpers import count_calls, greedy_params, random_prompts, token_prompts
 
 pytestmark = pytest.mark.vllm
 
@@ -77,7 +77,7 @@ def test_trinity_latent_and_fp8_expert_kernels_in_vllm(
     """A packed MLA-Trinity (FP8 experts, I = 256: the expert kernel's double-row tiling needs multiples of 256)."""
     from vllm import LLM
 
-    from tests.afmoe_reference import convert_to_mla, make_random_afmoe
+    from tests.references.afmoe import convert_to_mla, make_random_afmoe
     from vllm_trn_plugin.kernels import fp8_expert_nki, latent_decode_nki
     from vllm_trn_plugin.loaders.packed import pack
 

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from tests.conftest import (
+from tests.helpers import (
     POOL_SLOTS,
     PROBE_TOKENS,
     PROBES,
@@ -20,7 +20,7 @@ from tests.conftest import (
     random_prompts,
     token_prompts,
 )
-from tests.laplace_reference import TIE_MARGIN, assert_same_greedy, first_divergence
+from tests.references.laplace import TIE_MARGIN, assert_same_greedy, first_divergence
 
 pytestmark = pytest.mark.vllm
 

@@ -1,8 +1,8 @@
 """Both models served by real vLLM from packed MXFP4 checkpoints (`vllm-trn pack`), against an independent FP8 forward.
 
-The reference (tests/packed_reference.py) decodes the packed files itself in float64 and applies the FP8 math
+The reference (tests/references/packed.py) decodes the packed files itself in float64 and applies the FP8 math
 (activations rounded per token to Trainium2 FP8, FP8 weights with their row scales, bias): for Laplace inside the
-float64 per-token recurrence of tests/laplace_reference.py, for MLA-Trinity inside transformers'
+float64 per-token recurrence of tests/references/laplace.py, for MLA-Trinity inside transformers'
 AfmoeForCausalLM. Logits are compared along the path vLLM took (teacher forcing), so one near-tie cannot hide
 the rest of a sequence. Against the unquantized model the packed one can only be close: that agreement is
 printed (run with -s) and bounded below.
@@ -35,10 +35,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.afmoe_reference import convert_to_mla, hf_greedy, load_hf_model, make_random_afmoe
-from tests.conftest import greedy_logits, random_prompts, worker_functions_allowed
-from tests.laplace_reference import LaplaceReference
-from tests.packed_reference import load_packed, nearest_reference_run, patch_afmoe_fp8
+from tests.helpers import greedy_logits, random_prompts, worker_functions_allowed
+from tests.references.afmoe import convert_to_mla, hf_greedy, load_hf_model, make_random_afmoe
+from tests.references.laplace import LaplaceReference
+from tests.references.packed import load_packed, nearest_reference_run, patch_afmoe_fp8
 from vllm_trn_plugin.loaders.mxfp4 import CheckpointFormatError
 from vllm_trn_plugin.loaders.packed import pack
 from vllm_trn_plugin.model_executors.mxfp4_fp8 import packed_weights

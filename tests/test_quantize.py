@@ -1,6 +1,6 @@
 """`vllm-trn quantize`: MXFP4 GPTQ with bias correction, in the packed format (vllm_trn_plugin/quantize.py, gptq.py).
 
-The checks read the tool's output with the independent float64 reader of tests/packed_reference.py (MXFP4 decoded by
+The checks read the tool's output with the independent float64 reader of tests/references/packed.py (MXFP4 decoded by
 table, FP8 activations by ml_dtypes' Trainium2 E4M3) inside transformers' `AfmoeForCausalLM`, and compare with the
 unquantized model and with `vllm-trn pack` (round-to-nearest, the baseline). The checkpoint is a random MLA-Trinity
 (convert-mla of a random AFMoE at its exact latent 256). Calibration is 64 x 128 tokens: 16 per input of the dense MLP,
@@ -21,15 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.afmoe_reference import clear_model_cache, load_hf_model, make_random_afmoe
-from tests.conftest import random_prompts, read_safetensors_dir, token_prompts
-from tests.packed_reference import fp8_activation, fp8_matmul, load_packed, patch_afmoe_fp8
+from tests.helpers import random_prompts, read_safetensors_dir, token_prompts
+from tests.references.afmoe import clear_model_cache, load_hf_model, make_random_afmoe
+from tests.references.packed import fp8_activation, fp8_matmul, load_packed, patch_afmoe_fp8
 from vllm_trn_plugin.cli import main as cli
-from vllm_trn_plugin.convert_mla import convert_mla
-from vllm_trn_plugin.gptq import gptq, limit_spread, rtn_exponents
 from vllm_trn_plugin.loaders.mxfp4 import MAX_ROW_SPREAD, expand_rows, quantize_rtn
 from vllm_trn_plugin.loaders.packed import is_packed_checkpoint, iter_checkpoint, pack
-from vllm_trn_plugin.quantize import QuantizeOptions
+from vllm_trn_plugin.tools.convert_mla import convert_mla
+from vllm_trn_plugin.tools.gptq import gptq, limit_spread, rtn_exponents
+from vllm_trn_plugin.tools.quantize import QuantizeOptions
 
 SEQ = 128
 CALIB = torch.randint(0, 256, (64, SEQ), generator=torch.Generator().manual_seed(7))
@@ -194,13 +194,13 @@ def test_far_blocks_are_clamped_to_loadable_rows() -> None:
     assert int(rtn_exponents(w[0, 3]).max() - rtn_exponents(w[0, 3]).min()) >= 20
     q, exp = gptq(w, h.clone())
     assert int(exp.amax(-1).sub(exp.amin(-1)).max()) <= MAX_ROW_SPREAD
-    from vllm_trn_plugin.gptq import pack_codes, quantize_codes
+    from vllm_trn_plugin.tools.gptq import pack_codes, quantize_codes
 
     codes = pack_codes(quantize_codes(q, exp))
     m = expand_rows(codes, (exp + 127).to(torch.uint8), file="test", tensor="w")
     assert m.is_fp8 and torch.equal(m.dequantize(), q)
     rtn_exp = limit_spread(rtn_exponents(w))
-    from vllm_trn_plugin.gptq import round_to_grid
+    from vllm_trn_plugin.tools.gptq import round_to_grid
 
     rtn = round_to_grid(w, rtn_exp.repeat_interleave(32, -1))
 
@@ -244,7 +244,7 @@ def test_token_chunks_change_nothing_but_rounding(
 @pytest.mark.vllm
 def test_converted_and_quantized_checkpoint_serves(dirs: dict[str, Path]) -> None:
     """convert-mla -> quantize output in real vLLM: greedy tokens; logits equal (cosine) to the independent FP8
-    reference reading of the same files (tests/packed_reference.py) along the served path, and close to the
+    reference reading of the same files (tests/references/packed.py) along the served path, and close to the
     unquantized converted model."""
     from vllm import LLM, SamplingParams
 

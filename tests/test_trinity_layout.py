@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.afmoe_reference import check_against_hf_greedy, hf_greedy, trinity_geometry_pair
-from tests.conftest import random_prompts, token_prompts, worker_functions_allowed
+from tests.helpers import random_prompts, token_prompts, worker_functions_allowed
+from tests.references.afmoe import check_against_hf_greedy, hf_greedy, trinity_geometry_pair
 
 pytestmark = pytest.mark.vllm
 

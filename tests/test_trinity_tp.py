@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.afmoe_reference import check_against_hf_greedy, hf_greedy, trinity_geometry_pair
-from tests.conftest import random_prompts, token_prompts, worker_functions_allowed
-from tests.laplace_reference import TIE_MARGIN, first_divergence
+from tests.helpers import random_prompts, token_prompts, worker_functions_allowed
+from tests.references.afmoe import check_against_hf_greedy, hf_greedy, trinity_geometry_pair
+from tests.references.laplace import TIE_MARGIN, first_divergence
 
 pytestmark = pytest.mark.vllm
 

@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-from tests.afmoe_reference import convert_to_mla, hf_greedy, make_random_afmoe
-from tests.conftest import random_prompts, token_prompts, worker_functions_allowed
-from tests.laplace_reference import TIE_MARGIN, first_divergence
+from tests.helpers import random_prompts, token_prompts, worker_functions_allowed
+from tests.references.afmoe import convert_to_mla, hf_greedy, make_random_afmoe
+from tests.references.laplace import TIE_MARGIN, first_divergence
 
 pytestmark = pytest.mark.vllm
 

@@ -57,7 +57,7 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
-    import vllm_trn_plugin.quantization  # noqa: F401  (registers the trn-mxfp4-fp8 method)
+    import vllm_trn_plugin.model_executors.mxfp4_fp8_config  # noqa: F401  (registers the trn-mxfp4-fp8 method)
     from vllm_trn_plugin.configs import LaplaceConfig
     from vllm_trn_plugin.engine_checks import ENGINE_CHECKS
 

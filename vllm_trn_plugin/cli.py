@@ -80,7 +80,7 @@ def pack(args: argparse.Namespace) -> None:
 
 
 def convert_mla(args: argparse.Namespace) -> None:
-    from vllm_trn_plugin.convert_mla import convert_mla as convert
+    from vllm_trn_plugin.tools.convert_mla import convert_mla as convert
 
     report = convert(
         args.src,
@@ -103,8 +103,8 @@ def convert_mla(args: argparse.Namespace) -> None:
 
 
 def quantize(args: argparse.Namespace) -> None:
-    from vllm_trn_plugin.quantize import QuantizeOptions
-    from vllm_trn_plugin.quantize import quantize as run
+    from vllm_trn_plugin.tools.quantize import QuantizeOptions
+    from vllm_trn_plugin.tools.quantize import quantize as run
 
     opts = QuantizeOptions(
         rtn_threshold=args.rtn_threshold,

@@ -96,7 +96,7 @@ def _refuse_state_corrupting(vllm_config: VllmConfig, arch: str, speculative: st
 def _refuse_layout(vllm_config: VllmConfig, arch: str) -> None:
     from vllm.platforms import current_platform
 
-    from vllm_trn_plugin.quantization import QUANT_NAME
+    from vllm_trn_plugin.model_executors.mxfp4_fp8_config import QUANT_NAME
 
     p = vllm_config.parallel_config
     if arch == "LaplaceForCausalLM" and p.tensor_parallel_size > 1:

@@ -290,7 +290,7 @@ def check_against_hf_greedy(out: Any, ref: dict[str, Any], what: str, logit_tol:
     """A vLLM RequestOutput (raw-logits mode, logprobs = the whole vocabulary) against `hf_greedy`'s `ref`: tokens
     equal (a divergence only after a near-tie, margin < TIE_MARGIN), every step's logits within `logit_tol` up to
     and including the divergence; the largest difference seen is kept in worst[0]."""
-    from tests.laplace_reference import TIE_MARGIN, first_divergence
+    from tests.references.laplace import TIE_MARGIN, first_divergence
 
     c = out.outputs[0]
     toks, steps, vocab = list(c.token_ids), len(ref["tokens"]), ref["step_logits"].shape[1]

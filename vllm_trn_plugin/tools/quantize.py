@@ -6,7 +6,7 @@ becomes MXFP4 with a bf16 bias-correction vector; the LM head becomes per-row FP
 
 1. Sequential calibration: layer by layer, each layer's inputs are the calibration hidden states
    produced by the layers already quantized, with FP8 activation rounding on (every quantized
-   matrix sees its input rounded per token to Trainium2 FP8, as `kernels/fp8_matmul` serves it).
+   matrix sees its input rounded per token to Trainium2 FP8, as `kernels/fp8_expert` serves it).
    Inside an MLP, down_proj is fitted to the inputs the quantized gate_proj / up_proj produce.
 2. GPTQ with activation order and Hessian-weighted block exponents (`gptq.py`), 128-column blocks,
    1% damping; the Hessian of each matrix is built from its served (FP8-rounded) inputs;
@@ -37,7 +37,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vllm_trn_plugin.afmoe_layers import (
+from vllm_trn_plugin.kernels.fp8_expert import quantize_per_token
+from vllm_trn_plugin.loaders.mxfp4 import BLOCK_SIZE, CT_PACKED_SUFFIX, CT_SCALE_SUFFIX, CheckpointFormatError
+from vllm_trn_plugin.loaders.packed import (
+    DEFAULT_MATRIX_PATTERN,
+    LM_HEAD,
+    SHARD_BYTES,
+    _ShardWriter,
+    quantization_config,
+    quantize_fp8_rows,
+)
+from vllm_trn_plugin.tools.afmoe_forward import (
     MLP_CHUNK_TOKENS,
     Checkpoint,
     Geometry,
@@ -50,19 +60,9 @@ from vllm_trn_plugin.afmoe_layers import (
     rms_norm,
     route,
 )
-from vllm_trn_plugin.calibration import load_calibration
-from vllm_trn_plugin.convert_mla import _prepare_dst, _progress, copy_side_files
-from vllm_trn_plugin.gptq import gptq, limit_spread, pack_codes, quantize_codes, round_to_grid, rtn_exponents
-from vllm_trn_plugin.kernels.fp8_matmul import quantize_per_token
-from vllm_trn_plugin.loaders.mxfp4 import BLOCK_SIZE, CT_PACKED_SUFFIX, CT_SCALE_SUFFIX, CheckpointFormatError
-from vllm_trn_plugin.loaders.packed import (
-    DEFAULT_MATRIX_PATTERN,
-    LM_HEAD,
-    SHARD_BYTES,
-    _ShardWriter,
-    quantization_config,
-    quantize_fp8_rows,
-)
+from vllm_trn_plugin.tools.calibration import load_calibration
+from vllm_trn_plugin.tools.convert_mla import _prepare_dst, _progress, copy_side_files
+from vllm_trn_plugin.tools.gptq import gptq, limit_spread, pack_codes, quantize_codes, round_to_grid, rtn_exponents
 
 __all__ = ["QuantizeOptions", "QuantizeReport", "quantize"]
 

@@ -1,4 +1,4 @@
-"""The GLA decode-step NKI kernel (kernels/gla_decode_nki.py), run in the NKI emulator.
+"""The GLA decode-step NKI kernel (kernels/simple_gla_nki.py), run in the NKI emulator.
 
 References, each independent of the kernel:
 - the model's torch path `simple_gla_decode_step` (= `gla_decode_reference`), run on a copy of
@@ -28,14 +28,14 @@ import math
 import pytest
 import torch
 
-from vllm_trn_plugin.kernels.gla_decode_nki import (
+from vllm_trn_plugin.kernels.nki_shim import nki, simulate
+from vllm_trn_plugin.kernels.simple_gla import geometric_log_decay
+from vllm_trn_plugin.kernels.simple_gla_nki import (
     gla_decode_cost,
     gla_decode_nki,
     gla_decode_reference,
     state_rows,
 )
-from vllm_trn_plugin.kernels.nki_shim import nki, simulate
-from vllm_trn_plugin.kernels.simple_gla import geometric_log_decay
 
 FP32_TOL = 1e-5
 BF16_OUT_TOL = 1e-2

@@ -38,7 +38,9 @@ from pathlib import Path
 
 import torch
 
-from vllm_trn_plugin.afmoe_layers import (
+from vllm_trn_plugin.loaders.mxfp4 import CheckpointFormatError
+from vllm_trn_plugin.loaders.packed import SHARD_BYTES, _ShardWriter
+from vllm_trn_plugin.tools.afmoe_forward import (
     Checkpoint,
     Geometry,
     LayerMeter,
@@ -51,9 +53,7 @@ from vllm_trn_plugin.afmoe_layers import (
     mlp_residual,
     rms_norm,
 )
-from vllm_trn_plugin.calibration import load_calibration
-from vllm_trn_plugin.loaders.mxfp4 import CheckpointFormatError
-from vllm_trn_plugin.loaders.packed import SHARD_BYTES, _ShardWriter
+from vllm_trn_plugin.tools.calibration import load_calibration
 
 __all__ = ["ConvertReport", "LatentFit", "convert_mla", "fit_latent", "max_latent"]
 

@@ -1,4 +1,4 @@
-"""The FP8 numerics every quantized matrix uses (kernels/fp8_matmul.py: fp8_linear, fp8_experts),
+"""The FP8 numerics every quantized matrix uses (kernels/fp8_expert.py: fp8_linear, fp8_experts),
 against float64 and ml_dtypes' Trainium2 FP8 (`float8_e4m3`), op by op, where no rounding flip can hide an error."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_trn_plugin.kernels.fp8_matmul import fp8_linear, quantize_per_token
+from vllm_trn_plugin.kernels.fp8_expert import fp8_linear, quantize_per_token
 
 E4M3 = ml_dtypes.float8_e4m3  # Trainium2's IEEE-style E4M3: max 240, NaN beyond
 
@@ -64,7 +64,7 @@ def test_fp8_experts_route_weight_and_sum() -> None:
     """Each token's output is sum_k w_k * down_e(SiLU(gate_e x) * up_e x) over its own experts: checked against the
     per-token composition of fp8_linear (whose numerics are checked above); a wrong expert, weight or order
     would be off by O(1)."""
-    from vllm_trn_plugin.kernels.fp8_matmul import fp8_experts
+    from vllm_trn_plugin.kernels.fp8_expert import fp8_experts
 
     g = torch.Generator().manual_seed(2)
     E, H, I, T, K = 6, 128, 64, 9, 2

@@ -2,7 +2,7 @@
 
 One token at a time in float64, straight from the safetensors file: no vLLM, no plugin code.
 Every equation is the spec's per-token recurrence, so it is the oracle for the served model.
-A packed checkpoint (config.json declares `quantization_config`) is read by tests/packed_reference.py
+A packed checkpoint (config.json declares `quantization_config`) is read by tests/references/packed.py
 and its quantized matrices apply FP8 activations, as the served FP8 layers must.
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from tests.packed_reference import fp8_matmul, load_packed
+from tests.references.packed import fp8_matmul, load_packed
 
 
 @dataclass
