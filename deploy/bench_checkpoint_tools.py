@@ -49,44 +49,13 @@ print("RESULT" + json.dumps({"seconds": r.seconds, "layer_seconds": r.layer_seco
 
 
 def write_source(out: Path) -> Path:
-    """Random bf16 AFMoE checkpoint (k_proj/v_proj everywhere), shards of ~1 GB, written tensor by tensor."""
-    from safetensors.torch import save_file
-    from transformers import AfmoeConfig
+    """Random bf16 AFMoE checkpoint (k_proj/v_proj everywhere) at Trinity-Mini's layer geometry, in ~1 GB shards."""
+    from vllm_trn_plugin.demo import TRINITY_MINI, write_afmoe_demo
 
-    from vllm_trn_plugin.demo import SPECIAL_TOKENS, TRINITY_MINI, iter_trinity_weights, write_byte_tokenizer
-
+    geometry = {k: v for k, v in TRINITY_MINI.items() if k != "kv_lora_rank"}
     types = ["sliding_attention", "sliding_attention", "full_attention"]
-    base = {k: v for k, v in TRINITY_MINI.items() if k != "kv_lora_rank"}
-    base.update(num_hidden_layers=3, num_dense_layers=1, vocab_size=259)
-    # All-sliding while generating: the iterator then writes k_proj/v_proj on every layer (an AFMoE source).
-    gen = AfmoeConfig(**{**base, "layer_types": ["sliding_attention"] * 3}, kv_lora_rank=256)
-    out.mkdir(parents=True)
-    shard: dict[str, torch.Tensor] = {}
-    size, k = 0, 0
-
-    def flush() -> None:
-        nonlocal shard, size, k
-        save_file(shard, str(out / f"model-{k:05d}.safetensors"), {"format": "pt"})
-        shard, size, k = {}, 0, k + 1
-
-    for name, t in iter_trinity_weights(gen, seed=0):
-        shard[name] = t.to(torch.bfloat16)
-        size += t.numel() * 2
-        if size >= 1 << 30:
-            flush()
-    if shard:
-        flush()
-    cfg = AfmoeConfig(**{**base, "layer_types": types}).to_dict()
-    cfg.pop("torch_dtype", None)
-    cfg.update(
-        architectures=["AfmoeForCausalLM"],
-        dtype="bfloat16",
-        eos_token_id=256 + SPECIAL_TOKENS.index("<|im_end|>"),
-        pad_token_id=256 + SPECIAL_TOKENS.index("<|endoftext|>"),
-    )
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    write_byte_tokenizer(out)
-    return out
+    geometry.update(num_hidden_layers=3, num_dense_layers=1, vocab_size=259, layer_types=types)
+    return write_afmoe_demo(out, dtype=torch.bfloat16, **geometry)
 
 
 def run(tool: str, src: Path, dst: Path, tokens: int) -> dict:

@@ -26,15 +26,16 @@ and trim on free there, so the resident size follows the live tensors. Printed p
 figures per variant, the ratios mixed / separate (target <= 1.2: a step costs what its tokens
 cost), and the largest difference between the two variants' outputs (they must agree).
 
-`--kernel-file PATH` benchmarks the two functions defined in that file instead of the plugin's (e.g.
-a copy of an earlier version, for before/after figures). The machines are noisy and shared: compare
-the ratios measured side by side in one run, not absolute seconds across runs.
+`--module NAME` benchmarks the two functions of another importable module instead of the plugin's
+`vllm_trn_plugin.kernels.simple_gla` (an earlier version of it on PYTHONPATH, for before/after figures;
+docs/kernels.md has the commands). The machines are noisy and shared: compare the ratios measured side by
+side in one run, not absolute seconds across runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -48,6 +49,7 @@ import torch
 
 from vllm_trn_plugin.kernels import simple_gla
 
+MODULE = "vllm_trn_plugin.kernels.simple_gla"
 KERNELS = {"gla": "simple_gla_chunked_prefill", "conv": "causal_conv1d_prefill"}
 VARIANTS = ("mixed", "separate")
 CONV_WIDTH = 4
@@ -66,24 +68,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
     p.add_argument("--repeats", type=int, default=3, help="timed runs per variant, best kept (default 3)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's, the core count)")
-    p.add_argument("--kernel-file", type=Path, help="a .py file defining the kernels to benchmark instead")
+    p.add_argument("--module", default=MODULE, help=f"the module whose kernels to benchmark (default {MODULE})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench-out/bench_gla_prefill.json"))
     p.add_argument("--child", nargs=2, metavar=("KERNEL", "VARIANT"), help=argparse.SUPPRESS)  # one memory run
     return p.parse_args(argv)
 
 
-def load_kernel(kernel_file: Path | None, kernel: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    if kernel_file is None:
-        return getattr(simple_gla, KERNELS[kernel])
-    spec = importlib.util.spec_from_file_location("bench_gla_kernels", kernel_file)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"--kernel-file {kernel_file}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    fn = getattr(module, KERNELS[kernel], None)
+def load_kernel(module: str, kernel: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    fn = getattr(importlib.import_module(module), KERNELS[kernel], None)
     if fn is None:
-        raise SystemExit(f"--kernel-file {kernel_file}: defines no {KERNELS[kernel]}")
+        raise SystemExit(f"--module {module}: defines no {KERNELS[kernel]}")
     return fn
 
 
@@ -137,7 +132,7 @@ def proc_status_kib(field: str) -> int:
 def child(args: argparse.Namespace) -> None:
     """Each call of one kernel's variant in this fresh process; prints each call's peak RSS growth."""
     kernel, variant = args.child
-    fn = load_kernel(args.kernel_file, kernel)
+    fn = load_kernel(args.module, kernel)
     todo = make_calls(args, kernel)[variant]
     warm_up(fn, args, kernel)
     growth = []
@@ -164,7 +159,7 @@ def peak_memory(argv: list[str], kernel: str, variant: str) -> list[int]:
 
 
 def bench_kernel(args: argparse.Namespace, argv: list[str], kernel: str) -> dict[str, Any]:
-    fn = load_kernel(args.kernel_file, kernel)
+    fn = load_kernel(args.module, kernel)
     todo = make_calls(args, kernel)
     warm_up(fn, args, kernel)
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -207,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         child(args)
         return
-    kernel_src = str(args.kernel_file or "vllm_trn_plugin.kernels.simple_gla")
+    kernel_src = args.module
     T, N = args.long + args.short * args.num_short, 1 + args.num_short
     print(
         f"step: 1 x {args.long} + {args.num_short} x {args.short} tokens (T={T}, N={N}); "

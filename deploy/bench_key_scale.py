@@ -4,7 +4,7 @@ The global layers keep the per-head key RMSNorm, so every cached latent c_i need
 s_g,i = 1 / rms(W_k,g c_i) for each of the 4 KV heads. Two exact options:
 
   recompute  from the latent inside the decode path: one extra [L x r] @ [r x 4*128] product per
-             layer and step (the source document's kernel does this);
+             layer and step;
   at write   once, when the latent is written, stored beside it: 4 fp32 values per token (+16 B
              on a 512 B bf16 latent row, +3.1% cache bytes), read back in decode.
 

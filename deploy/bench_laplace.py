@@ -1,17 +1,16 @@
 """Laplace decode benchmark: time per output token at two prompt lengths, and state bytes vs a Llama KV cache.
 
-Run (from the repository root; about 4-6 minutes on a 2-core CPU machine)::
+Run (from the repository root)::
 
     .venv/bin/python deploy/bench_laplace.py
 
 Options: `--help`. `--full` benchmarks the true 3B geometry (spec §2): writing its random checkpoint
 peaks at ~18 GB of RAM (fp32 draws + bf16 copy), serving needs 6-12 GB, and on 2 cores each 4096-token
 prefill takes minutes, so it needs a bigger machine than the 2-core, 24 GiB development boxes.
-`--state-only` prints part 2 without starting vLLM (~15 s).
+`--state-only` prints part 2 without starting vLLM.
 
 dtype: `auto` picks bfloat16 only where the CPU has native bf16 matmul (AVX512-BF16 or AMX); on an
-AVX2-only CPU torch's bf16 GEMM runs ~8x slower than fp32 (seen: 9 vs 73 GFLOPS, 1 thread, AMD EPYC),
-which would make this run take ~20 minutes, so it uses float32 there.
+AVX2-only CPU torch emulates the bf16 GEMM, several times slower than fp32, so it uses float32 there.
 
 1. Decode time per output token for prompt lengths 512 and 4096 (design: ratio ~1.0, since a decode
    step is O(1) in context). One `vllm.LLM` serves a random Laplace demo checkpoint; one request at a
@@ -45,41 +44,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Benchmarked geometry: the demo's structure scaled up as far as a 2-core machine allows in a few
-# minutes (~100M parameters; per layer H * d_v = D as in the 3B model).
-BENCH_GEOMETRY: dict[str, Any] = dict(
-    vocab_size=259,
-    hidden_size=1024,
-    num_hidden_layers=8,
-    num_heads=8,
-    head_k_dim=64,
-    head_v_dim=128,
-    conv_size=4,
-    intermediate_size=2816,
-    num_decay_tiers=4,
-)
-# The true Laplace 3B (spec §2); the LaplaceConfig defaults are the same, checked in full_geometry().
-FULL_GEOMETRY: dict[str, Any] = dict(
-    vocab_size=50304,
-    hidden_size=3072,
-    num_hidden_layers=24,
-    num_heads=16,
-    head_k_dim=96,
-    head_v_dim=192,
-    conv_size=4,
-    intermediate_size=8192,
-    num_decay_tiers=4,
-)
+from vllm_trn_plugin.bench.local import save_result, scratch_dir
+
+# --flag -> (LaplaceConfig field, benchmarked value). The benchmarked geometry is the demo's structure scaled up as
+# far as a 2-core machine allows in a few minutes (~100M parameters; per layer H * d_v = D as in the 3B model).
 GEOMETRY_FLAGS = {
-    "hidden": "hidden_size",
-    "layers": "num_hidden_layers",
-    "heads": "num_heads",
-    "head_k_dim": "head_k_dim",
-    "head_v_dim": "head_v_dim",
-    "intermediate": "intermediate_size",
-    "vocab": "vocab_size",
-    "decay_tiers": "num_decay_tiers",
+    "hidden": ("hidden_size", 1024),
+    "layers": ("num_hidden_layers", 8),
+    "heads": ("num_heads", 8),
+    "head_k_dim": ("head_k_dim", 64),
+    "head_v_dim": ("head_v_dim", 128),
+    "intermediate": ("intermediate_size", 2816),
+    "vocab": ("vocab_size", 259),
+    "decay_tiers": ("num_decay_tiers", 4),
 }
+BENCH_GEOMETRY: dict[str, Any] = {key: value for key, value in GEOMETRY_FLAGS.values()} | {"conv_size": 4}
 LLAMA_CONTEXT = 8192
 LLAMA_HEAD_DIM = 128
 LLAMA_BLOCK = 16
@@ -89,7 +68,7 @@ MiB = 1 << 20
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--full", action="store_true", help="true 3B geometry (needs a bigger machine, see the description)")
-    for flag, key in GEOMETRY_FLAGS.items():
+    for flag, (key, _) in GEOMETRY_FLAGS.items():
         p.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, help=f"override {key}")
     p.add_argument("--lengths", type=int, nargs=2, default=[512, 4096], metavar=("SHORT", "LONG"))
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request (default 64)")
@@ -131,22 +110,20 @@ def cpu_info() -> dict[str, Any]:
     }
 
 
-def bench_geometry(args: argparse.Namespace) -> dict[str, Any]:
-    geo = dict(FULL_GEOMETRY if args.full else BENCH_GEOMETRY)
-    for flag, key in GEOMETRY_FLAGS.items():
-        if getattr(args, flag) is not None:
-            geo[key] = getattr(args, flag)
-    return geo
-
-
 def full_geometry() -> dict[str, Any]:
+    """The true Laplace 3B (spec §2): LaplaceConfig's defaults."""
     from vllm_trn_plugin.configs import LaplaceConfig
 
     cfg = LaplaceConfig()
-    drift = {k: (v, getattr(cfg, k)) for k, v in FULL_GEOMETRY.items() if getattr(cfg, k) != v}
-    if drift:
-        raise SystemExit(f"LaplaceConfig defaults differ from the spec's 3B geometry (spec, config): {drift}")
-    return dict(FULL_GEOMETRY)
+    return {key: getattr(cfg, key) for key in BENCH_GEOMETRY}
+
+
+def bench_geometry(args: argparse.Namespace) -> dict[str, Any]:
+    geo = full_geometry() if args.full else dict(BENCH_GEOMETRY)
+    for flag, (key, _) in GEOMETRY_FLAGS.items():
+        if getattr(args, flag) is not None:
+            geo[key] = getattr(args, flag)
+    return geo
 
 
 def laplace_params(geo: dict[str, Any]) -> int:
@@ -250,7 +227,7 @@ def state_comparison(name: str, geo: dict[str, Any], model_dtype: str) -> dict[s
 # --------------------------------------------------------------------------------------------
 
 
-def run_decode_bench(args: argparse.Namespace, geo: dict[str, Any]) -> dict[str, Any]:
+def run_decode_bench(args: argparse.Namespace, geo: dict[str, Any], model_dir: Path) -> dict[str, Any]:
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -259,12 +236,6 @@ def run_decode_bench(args: argparse.Namespace, geo: dict[str, Any]) -> dict[str,
 
     short, long_ = args.lengths
     rng = random.Random(args.seed)
-    tmp = None
-    if args.model_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="bench-laplace-")
-        model_dir = Path(tmp.name)
-    else:
-        model_dir = args.model_dir
     t0 = time.perf_counter()
     write_laplace_demo(model_dir, seed=args.seed, dtype=getattr(torch, args.dtype), **geo)
     t_write = time.perf_counter() - t0
@@ -341,8 +312,6 @@ def run_decode_bench(args: argparse.Namespace, geo: dict[str, Any]) -> dict[str,
     for a, b in zip(runs[::2], runs[1::2]):
         by_len = {a["prompt_len"]: a["decode_s_per_token"], b["prompt_len"]: b["decode_s_per_token"]}
         pair_ratios.append(by_len[long_] / by_len[short])
-    if tmp is not None:
-        tmp.cleanup()
     return {
         "engine": engine,
         "order": order,
@@ -448,7 +417,7 @@ def main(argv: list[str] | None = None) -> None:
     cpu = cpu_info()
     dtype_note = ""
     if args.dtype == "auto":
-        # Without AVX512-BF16/AMX, torch's bf16 GEMM is emulated: measured ~8x slower than fp32 on an AVX2 EPYC.
+        # Without AVX512-BF16/AMX, torch's bf16 GEMM is emulated, several times slower than fp32.
         args.dtype = "bfloat16" if cpu["native_bf16"] else "float32"
         dtype_note = (
             " (auto: " + ("native bf16 matmul" if cpu["native_bf16"] else "no native bf16 matmul on this CPU") + ")"
@@ -457,10 +426,11 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {
         "host": {**cpu, "python": sys.version.split()[0]},
         "bench_geometry": geo,
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": vars(args),
     }
-    comparisons = [state_comparison("Laplace 3B (full, spec §2)", full_geometry(), "bfloat16")]
-    if geo != FULL_GEOMETRY or model_dtype != "bfloat16":
+    full = full_geometry()
+    comparisons = [state_comparison("Laplace 3B (full, spec §2)", full, "bfloat16")]
+    if geo != full or model_dtype != "bfloat16":
         comparisons.append(state_comparison("benchmarked geometry", geo, model_dtype))
     result["state"] = comparisons
     bench_state_bytes = comparisons[-1]["laplace"]["bytes_per_sequence"]
@@ -472,7 +442,8 @@ def main(argv: list[str] | None = None) -> None:
         import vllm
 
         print(f"vllm {vllm.__version__}, prompts {args.lengths}, {args.reps} reps each, output {args.output_len}")
-        result["decode"] = run_decode_bench(args, geo)
+        with scratch_dir(args.model_dir, "bench-laplace-") as model_dir:
+            result["decode"] = run_decode_bench(args, geo, model_dir)
         print_decode(result["decode"], args)
         # The engine sized its state pool from the real mixers: its page count must match the analytic bytes.
         pages = result["decode"]["engine"]["state_pages"]
@@ -485,10 +456,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     print_state(comparisons)
 
-    result["total_s"] = round(time.perf_counter() - t_all, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\ntotal {result['total_s']} s; JSON: {args.out}")
+    save_result(args.out, result, t_all)
 
 
 if __name__ == "__main__":

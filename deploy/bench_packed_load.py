@@ -122,45 +122,13 @@ def expansion(reps: int, rows: int) -> dict:
 
 
 def write_bf16(out: Path, moe_layers: int) -> Path:
-    from safetensors.torch import save_file
-    from transformers import AfmoeConfig
-
-    from vllm_trn_plugin.demo import SPECIAL_TOKENS, TRINITY_MINI, iter_trinity_weights, write_byte_tokenizer
+    """The bf16 MLA-Trinity checkpoint of part 2: one dense layer, then `moe_layers` MoE layers, in ~1 GB shards."""
+    from vllm_trn_plugin.demo import TRINITY_MINI, write_trinity_demo
 
     n = 1 + moe_layers
     types = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(n)]
-    config = AfmoeConfig(
-        **{**TRINITY_MINI, "num_hidden_layers": n, "num_dense_layers": 1, "layer_types": types, "vocab_size": 259}
-    )
-    config.architectures = ["TrinityMLAForCausalLM"]
-    config.eos_token_id = 256 + SPECIAL_TOKENS.index("<|im_end|>")
-    config.pad_token_id = 256 + SPECIAL_TOKENS.index("<|endoftext|>")
-    out.mkdir(parents=True)
-    shard: dict[str, torch.Tensor] = {}
-    index: dict[str, str] = {}
-    size, k = 0, 0
-
-    def flush() -> None:
-        nonlocal shard, size, k
-        name = f"model-{k:05d}.safetensors"
-        save_file(shard, str(out / name), {"format": "pt"})
-        index.update({t: name for t in shard})
-        shard, size, k = {}, 0, k + 1
-
-    for name, t in iter_trinity_weights(config, seed=0):
-        shard[name] = t.to(torch.bfloat16)
-        size += shard[name].numel() * 2
-        if size >= 1 << 30:
-            flush()
-    if shard:
-        flush()
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
-    cfg = config.to_dict()
-    cfg.pop("torch_dtype", None)
-    cfg["dtype"] = "bfloat16"
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    write_byte_tokenizer(out)
-    return out
+    geometry = {**TRINITY_MINI, "num_hidden_layers": n, "num_dense_layers": 1, "layer_types": types, "vocab_size": 259}
+    return write_trinity_demo(out, dtype=torch.bfloat16, **geometry)
 
 
 def dir_bytes(d: Path) -> int:

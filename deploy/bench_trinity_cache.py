@@ -1,10 +1,10 @@
 """KV cache capacity of MLA-Trinity vs vLLM's built-in AFMoE at Trinity-Mini geometry, by vLLM's own arithmetic.
 
-Run (from the repository root; ~2.5 min on a 2-core machine, part 4 most of it; no weights, no engine)::
+Run (from the repository root; no weights, no engine)::
 
     .venv/bin/python deploy/bench_trinity_cache.py
 
-Add the real-engine check on a small geometry (two `vllm.LLM` start-ups, ~2 min more on a 2-core machine)::
+Add the real-engine check on a small geometry (two `vllm.LLM` start-ups)::
 
     .venv/bin/python deploy/bench_trinity_cache.py --engine
 
@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[1, 2, 4],
         help="part 4: per-rank figures at these TP sizes, each in its own process group (default 1 2 4; none: skip)",
     )
-    p.add_argument("--engine", action="store_true", help="also start two small real engines (~2 min)")
+    p.add_argument("--engine", action="store_true", help="also start two small real engines")
     p.add_argument("--engine-budget-mib", type=int, default=256, help="engine kv_cache_memory_bytes (MiB)")
     p.add_argument("--engine-max-model-len", type=int, default=4096)
     p.add_argument("--engine-max-num-batched-tokens", type=int, default=256)
@@ -200,25 +200,16 @@ def init_dist(vc, world: int = 1, rank: int = 0, init_method: str | None = None)
 def collect_specs(vc) -> tuple[dict, list]:  # noqa: ANN001
     """Build the model on `meta`; each AttentionLayerBase's spec as GPUModelRunner.get_kv_cache_spec makes it."""
     import torch
-    from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import get_model_architecture
-    from vllm.v1.kv_cache_interface import AttentionSpec
-    from vllm.v1.worker.utils import customize_attention_spec
+
+    from vllm_trn_plugin.bench.kv_specs import layer_specs
 
     init_dist(vc, vc.parallel_config.tensor_parallel_size)
     cls, _ = get_model_architecture(vc.model_config)
     with set_current_vllm_config(vc), torch.device("meta"):
         cls(vllm_config=vc)
-    layers = get_layers_from_vllm_config(vc, AttentionLayerBase)
-    specs = {}
-    for name, layer in layers.items():
-        spec = layer.get_kv_cache_spec(vc)
-        if spec:
-            if isinstance(spec, AttentionSpec):
-                spec = customize_attention_spec(layer.get_attn_backend(), spec)
-            specs[name] = spec
-    return specs, [layer.get_attn_backend() for layer in layers.values()]
+    return layer_specs(vc)
 
 
 def size_cache(vc, specs: dict, backends: list, budget: int, ranks: list[dict] | None = None) -> dict[str, Any]:  # noqa: ANN001
@@ -480,21 +471,53 @@ def fmt_bytes(n: float) -> str:
     return f"{n / MiB:,.1f} MiB" if n >= MiB else f"{n:,.0f} B"
 
 
+def print_bytes(entries: list[tuple[int, dict[str, Any], dict[str, Any]]], ctx: int) -> None:
+    """Per (tensor-parallel size t, theory, vLLM's figures): bytes per token and layer by theory, per token and per
+    sequence by vLLM's per-layer specs, and the AFMoE / MLA ratio."""
+    print(
+        f"{'':18}{'t':>3}{'sliding layer':>14}{'global layer':>13}{'token in window':>17}{'token beyond':>14}"
+        f"{'per sequence':>14}{'theory':>12}{'avg/token':>10}"
+    )
+    for t, th, vf in entries:
+        for key in MODELS:
+            a, s = th[key], vf[key]["spec_bytes"]
+            same = "" if a["bytes_per_sequence"] == s["bytes_per_sequence"] else " (differs)"
+            print(
+                f"{LABEL[key]:18}{t:>3}{a['sliding_layer_bytes_per_token']:>14,}{a['global_layer_bytes_per_token']:>13,}"
+                f"{s['bytes_per_token_inside_window']:>17,}{s['bytes_per_token_beyond_window']:>14,}"
+                f"{fmt_bytes(s['bytes_per_sequence']):>14}{fmt_bytes(a['bytes_per_sequence']):>12}"
+                f"{s['bytes_per_sequence'] / ctx:>10,.0f}{same}"
+            )
+        ratio = vf["afmoe"]["spec_bytes"]["bytes_per_sequence"] / vf["mla"]["spec_bytes"]["bytes_per_sequence"]
+        print(f"{'  AFMoE/MLA':18}{t:>3}{'':84}{ratio:>10.2f}x (theory {th['ratio']:.2f}x)")
+    print("  (sliding/global layer: theory bytes/token/layer; token and sequence columns: vLLM's per-layer specs)")
+
+
+def print_concurrency(entries: list[tuple[int, dict[str, Any], dict[str, Any]]]) -> None:
+    """Per (tensor-parallel size t, theory, vLLM's figures) and sized configuration: vLLM's blocks and maximum
+    concurrency for both models, and theory's (budget / bytes per sequence)."""
+    print(
+        f"{'t':>3}{'budget':>8}{'max_batched':>12}{'in-flight':>10}{'blocks':>8}{'MLA blk/req':>12}"
+        f"{'AFMoE blk/req':>14}{'MLA':>9}{'AFMoE':>9}{'ratio':>8}  |{'theory MLA':>11}{'AFMoE':>8}{'ratio':>8}"
+    )
+    for t, th, vf in entries:
+        for rm, ra in zip(vf["mla"]["rows"], vf["afmoe"]["rows"]):
+            budget = rm["budget"]
+            tm, ta = budget / th["mla"]["bytes_per_sequence"], budget / th["afmoe"]["bytes_per_sequence"]
+            cm, ca = rm["max_concurrency"], ra["max_concurrency"]
+            print(
+                f"{t:>3}{budget / GiB:>6.0f}Gi{rm['max_num_batched_tokens']:>12}{rm['max_in_flight_tokens']:>10}"
+                f"{rm['num_blocks']:>8}{rm['blocks_per_request']:>12}{ra['blocks_per_request']:>14}{cm:>9.2f}"
+                f"{ca:>9.2f}{cm / ca:>7.2f}x  |{tm:>11.2f}{ta:>8.2f}{tm / ta:>7.2f}x"
+            )
+
+
 def report(res: dict[str, Any], args: argparse.Namespace) -> None:
     th, vf, ctx = res["theory"], res["vllm"], args.context
     print(f"\n== Per-token cache bytes, Trinity-Mini geometry, bf16, context {ctx} (sliding layers: window only) ==")
-    print(
-        f"{'':18}{'sliding layer':>14}{'global layer':>13}{'token in window':>17}{'token beyond':>14}"
-        f"{'per sequence':>18}{'avg/token':>11}"
-    )
-    for key in MODELS:
-        t, s = th[key], vf[key]["spec_bytes"]
-        assert t["bytes_per_sequence"] == s["bytes_per_sequence"], (t, s)  # theory == vLLM's per-layer specs
-        print(
-            f"{LABEL[key]:18}{t['sliding_layer_bytes_per_token']:>14,}{t['global_layer_bytes_per_token']:>13,}"
-            f"{s['bytes_per_token_inside_window']:>17,}{s['bytes_per_token_beyond_window']:>14,}"
-            f"{fmt_bytes(s['bytes_per_sequence']):>18}{s['bytes_per_sequence'] / ctx:>11,.0f}"
-        )
+    for key in MODELS:  # theory == vLLM's per-layer specs
+        assert th[key]["bytes_per_sequence"] == vf[key]["spec_bytes"]["bytes_per_sequence"], (th[key], vf[key])
+    print_bytes([(1, th, vf)], ctx)
     print(
         f"theory per sequence: {th['sliding_layers']} x {th['window_tokens']} x 2048 B + {th['global_layers']} x "
         f"{ctx} x (512 | 2048) B; ratio {th['ratio']:.3f}x (vLLM's per-layer specs give the same bytes)"
@@ -520,21 +543,7 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"  full-attention fallback warnings: {len(fallback)}")
 
     print(f"\n== Maximum concurrency for {ctx} tokens per request (vLLM: get_max_concurrency_for_kv_cache_config) ==")
-    print(
-        f"{'budget':>8}{'max_batched':>12}{'in-flight':>10}{'blocks':>8}{'MLA blk/req':>12}{'AFMoE blk/req':>14}"
-        f"{'MLA':>9}{'AFMoE':>9}{'ratio':>8}  |{'theory MLA':>11}{'AFMoE':>8}{'ratio':>8}"
-    )
-    for rm, ra in zip(vf["mla"]["rows"], vf["afmoe"]["rows"]):
-        budget = rm["budget"]
-        tm = budget / th["mla"]["bytes_per_sequence"]
-        ta = budget / th["afmoe"]["bytes_per_sequence"]
-        cm, ca = rm["max_concurrency"], ra["max_concurrency"]
-        print(
-            f"{budget / GiB:>6.0f}Gi{rm['max_num_batched_tokens']:>12}{rm['max_in_flight_tokens']:>10}"
-            f"{rm['num_blocks']:>8}{rm['blocks_per_request']:>12}{ra['blocks_per_request']:>14}"
-            f"{cm:>9.2f}{ca:>9.2f}{cm / ca:>7.2f}x"
-            f"  |{tm:>11.2f}{ta:>8.2f}{tm / ta:>7.2f}x"
-        )
+    print_concurrency([(1, th, vf)])
 
     if res.get("tp"):
         report_tp(res, ctx)
@@ -560,46 +569,16 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def report_tp(res: dict[str, Any], ctx: int) -> None:
+    entries = [(e["tp"], e["theory"], e["vllm"]) for e in res["tp"]]
     print(
         f"\n== 4. Per rank at tensor-parallel size t, Trinity-Mini geometry, bf16, context {ctx} (vLLM's specs from a "
         f"t-rank gloo group; budget per rank) =="
     )
-    print(
-        f"{'':18}{'t':>3}{'sliding layer':>14}{'global layer':>13}{'token in window':>17}{'token beyond':>14}"
-        f"{'per sequence':>14}{'theory':>12}{'AFMoE/MLA':>11}{'theory':>8}"
-    )
-    for entry in res["tp"]:
-        t, th, vf = entry["tp"], entry["theory"], entry["vllm"]
-        for key in MODELS:
-            a, s = th[key], vf[key]["spec_bytes"]
-            same = "" if a["bytes_per_sequence"] == s["bytes_per_sequence"] else " (differs)"
-            print(
-                f"{LABEL[key]:18}{t:>3}{a['sliding_layer_bytes_per_token']:>14,}{a['global_layer_bytes_per_token']:>13,}"
-                f"{s['bytes_per_token_inside_window']:>17,}{s['bytes_per_token_beyond_window']:>14,}"
-                f"{fmt_bytes(s['bytes_per_sequence']):>14}{fmt_bytes(a['bytes_per_sequence']):>12}{same}"
-            )
-        ratio = vf["afmoe"]["spec_bytes"]["bytes_per_sequence"] / vf["mla"]["spec_bytes"]["bytes_per_sequence"]
-        print(f"{'  AFMoE/MLA':18}{t:>3}{'':84}{ratio:>10.2f}x{th['ratio']:>7.2f}x")
-    print("  (sliding/global layer: theory bytes/token/layer; token and sequence columns: vLLM's per-layer specs)")
-
+    print_bytes(entries, ctx)
     print(
         f"\nMaximum concurrency for {ctx} tokens per request, per rank's budget (vLLM | theory = budget / per sequence)"
     )
-    print(
-        f"{'t':>3}{'budget':>8}{'max_batched':>12}{'blocks':>8}{'MLA blk/req':>12}{'AFMoE blk/req':>14}"
-        f"{'MLA':>9}{'AFMoE':>9}{'ratio':>8}  |{'theory MLA':>11}{'AFMoE':>8}{'ratio':>8}"
-    )
-    for entry in res["tp"]:
-        t, th, vf = entry["tp"], entry["theory"], entry["vllm"]
-        for rm, ra in zip(vf["mla"]["rows"], vf["afmoe"]["rows"]):
-            budget = rm["budget"]
-            tm, ta = budget / th["mla"]["bytes_per_sequence"], budget / th["afmoe"]["bytes_per_sequence"]
-            cm, ca = rm["max_concurrency"], ra["max_concurrency"]
-            print(
-                f"{t:>3}{budget / GiB:>6.0f}Gi{rm['max_num_batched_tokens']:>12}{rm['num_blocks']:>8}"
-                f"{rm['blocks_per_request']:>12}{ra['blocks_per_request']:>14}{cm:>9.2f}{ca:>9.2f}{cm / ca:>7.2f}x"
-                f"  |{tm:>11.2f}{ta:>8.2f}{tm / ta:>7.2f}x"
-            )
+    print_concurrency(entries)
     print("vLLM's groups per rank (first row's config):")
     for entry in res["tp"]:
         for key in MODELS:

@@ -2,29 +2,27 @@
 
 Run (from the repository root)::
 
-    .venv/bin/python deploy/bench_trinity_decode.py --reuse-prefill   # ~22 min (measured, 2-core AVX2 EPYC)
-    .venv/bin/python deploy/bench_trinity_decode.py                   # as briefed, every request prefilled: ~70 min
+    .venv/bin/python deploy/bench_trinity_decode.py --reuse-prefill   # only the first request per context prefilled
+    .venv/bin/python deploy/bench_trinity_decode.py                   # every request prefilled: several times longer
 
-Why so long (float32, one core per engine): prefill. A 32k prompt costs 32 q heads x 128 x 32768^2 / 2 x 4 flop
-~ 8.8 TFLOP of causal attention on the one global layer plus ~3 TFLOP on the three sliding layers, whatever the
-hidden size: measured 395-437 s for the built-in and 357 s for MLA-Trinity. By default (as briefed) prefix
-caching is off and every request is prefilled: ~15 min per rep at 32k for the two models, plus one more such
-pair for the profile. `--reuse-prefill` turns prefix caching on and uses one fixed prompt per context (the same
-for both models), so only the first request per context and model is prefilled; the later ones take the prompt
-from the cache (their `num_cached_tokens` is printed; MLA's cache group has 512-token blocks, so up to 512
-prompt tokens are recomputed) and decode over the identical cached context. Decode reads the same cache either
-way; the per-request list marks the cache hits, so decode after a real prefill and after a hit can be compared
-(measured: the same within noise). `--contexts 2048 8192` takes ~10 min without `--reuse-prefill`.
-Options: `--help`. `--no-profile` skips part 3.
+What takes the time (float32, one core per engine) is prefill: a 32k prompt costs 32 q heads x 128 x 32768^2 / 2
+x 4 flop ~ 8.8 TFLOP of causal attention on the one global layer plus ~3 TFLOP on the three sliding layers,
+whatever the hidden size. By default prefix caching is off and every request is prefilled. `--reuse-prefill`
+turns prefix caching on and uses one fixed prompt per context (the same for both models), so only the first
+request per context and model is prefilled; the later ones take the prompt from the cache (their
+`num_cached_tokens` is printed; MLA's cache group has 512-token blocks, so up to 512 prompt tokens are
+recomputed) and decode over the identical cached context. Decode reads the same cache either way; the
+per-request list marks the cache hits, so decode after a real prefill and after a hit can be compared.
+Options: `--help`. `--no-profile` skips part 3. Measured figures and run times: docs/mla-trinity.md.
 
 What it does:
 1. One random float32 AFMoE checkpoint with Trinity-Mini's attention geometry (head_dim 128, 32 q heads,
    4 KV heads, layers [S, S, S, F], sliding window 2048, muP, sandwich norms, gated output) and a small
-   MLP/MoE (hidden 512, 4 experts, top-2): `tests/references/afmoe.make_random_afmoe(..., full_kv_rank=256)`
-   (imported with the repository root put on sys.path), whose global layer's [k_proj; v_proj] has rank 256
-   by construction, and its exact MLA conversion `convert_to_mla(..., kv_lora_rank=256)`. The two
-   directories compute the same function (up to float32 rounding); the first output tokens are compared as a
-   check.
+   MLP/MoE (hidden 512, 4 experts, top-2): `vllm_trn_plugin.demo.write_afmoe_demo(..., kv_rank=256)`, whose
+   global layer's [k_proj; v_proj] has rank 256 by construction, and its MLA conversion
+   `vllm_trn_plugin.tools.convert_mla.convert_mla(..., latent=256)` on random calibration tokens, exact at
+   that rank. The two directories compute the same function (up to float32 rounding); the first output
+   tokens are compared as a check.
 2. Two engines, each a `vllm.LLM` in its own child process (this script with `--child`), both alive for the
    whole measurement: the plugin's TrinityMLAForCausalLM and vLLM's built-in AfmoeForCausalLM, same
    max_model_len, max_num_batched_tokens (512, see below), kv_cache_memory_bytes (computed below),
@@ -63,6 +61,7 @@ not absolute milliseconds across runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -70,12 +69,11 @@ import random
 import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from vllm_trn_plugin.bench.local import EngineChild, answer, plugin_state
+from vllm_trn_plugin.bench import local
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"mla": "TrinityMLAForCausalLM", "afmoe": "AfmoeForCausalLM"}
@@ -137,7 +135,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def child_main(model_dir: str, engine_json: str) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.config import ProfilerConfig
     from vllm.inputs import TokensPrompt
 
@@ -151,25 +149,8 @@ def child_main(model_dir: str, engine_json: str) -> None:
             torch_profiler_record_shapes=True,
             torch_profiler_use_gzip=True,
         )
-    t0 = time.perf_counter()
-    llm = LLM(model=model_dir, **kw)
-    vc = llm.llm_engine.vllm_config
-    answer(
-        {
-            "ready": True,
-            "startup_s": time.perf_counter() - t0,
-            "block_size": vc.cache_config.block_size,
-            "num_blocks": vc.cache_config.num_gpu_blocks,
-            "max_in_flight_tokens": vc.max_in_flight_tokens,
-            "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
-            "async_scheduling": bool(getattr(vc.scheduler_config, "async_scheduling", False)),
-            "compilation_mode": getattr(vc.compilation_config.mode, "name", str(vc.compilation_config.mode)),
-        }
-    )
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["cmd"] == "quit":
-            break
+    llm = local.start_child_engine(model_dir, kw)
+    for cmd in local.child_commands():
         ids = random.Random(cmd["prompt_seed"]).choices(range(256), k=cmd["len"])  # bytes: valid for vocab 259
         sampling = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True)
         profiling = cmd["cmd"] == "profile"
@@ -183,7 +164,7 @@ def child_main(model_dir: str, engine_json: str) -> None:
         m = out.metrics
         tokens = list(out.outputs[0].token_ids)
         n = len(tokens)
-        answer(
+        local.answer(
             {
                 "len": cmd["len"],
                 "n_gen": n,
@@ -204,33 +185,38 @@ def child_main(model_dir: str, engine_json: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def start_engine(key: str, model_dir: Path, engine_kw: dict[str, Any], log_path: Path) -> EngineChild:
+def start_engine(key: str, model_dir: Path, engine_kw: dict[str, Any], log_path: Path) -> local.EngineChild:
     """This script with --child: one vLLM engine in its own process."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(model_dir), json.dumps(engine_kw)]
     env = {**os.environ}
-    return EngineChild(key, cmd, log_path, env, REPO)
+    return local.EngineChild(key, cmd, log_path, env, REPO)
 
 
 def write_checkpoints(args: argparse.Namespace, root: Path, max_pos: int) -> tuple[dict[str, Path], dict[str, Any]]:
-    """The random AFMoE checkpoint and its exact MLA conversion (tests/references/afmoe.py)."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    from tests.references.afmoe import convert_to_mla, make_random_afmoe
+    """The random AFMoE checkpoint whose global layers' [k_proj; v_proj] has rank --kv-lora-rank, and its
+    MLA conversion at that latent (exact)."""
+    import torch
+
+    from vllm_trn_plugin.demo import write_afmoe_demo
+    from vllm_trn_plugin.tools.convert_mla import convert_mla
 
     if args.layers % 4:
         raise SystemExit(f"--layers {args.layers}: must be a multiple of 4 ([S, S, S, F] blocks)")
-    afmoe = make_random_afmoe(
+    afmoe = write_afmoe_demo(
         root / "afmoe",
         seed=args.seed,
-        full_kv_rank=args.kv_lora_rank,
+        kv_rank=args.kv_lora_rank,
         hidden_size=args.hidden,
         num_hidden_layers=args.layers,
+        layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * (args.layers // 4),
         num_experts=args.experts,
         num_experts_per_tok=args.experts_per_tok,
         sliding_window=args.window,
         max_position_embeddings=max_pos,
     )
-    mla = convert_to_mla(afmoe, root / "mla", kv_lora_rank=args.kv_lora_rank)
+    # Calibration: more tokens than the hidden size, so that the whitening covariance has full rank.
+    calib = torch.randint(0, 256, (max(4, 2 * args.hidden // 256), 256), generator=torch.Generator().manual_seed(0))
+    mla = convert_mla(afmoe, root / "mla", latent=args.kv_lora_rank, calib=calib, progress=False).dst
     cfg = json.loads((afmoe / "config.json").read_text())
     return {"mla": mla, "afmoe": afmoe}, cfg
 
@@ -256,7 +242,7 @@ def builtin_kv_bytes(cfg: dict[str, Any], lengths: list[int], mnbt: int, block: 
     }
 
 
-def measure(engines: dict[str, EngineChild], args: argparse.Namespace, max_tokens: int) -> list[dict[str, Any]]:
+def measure(engines: dict[str, local.EngineChild], args: argparse.Namespace, max_tokens: int) -> list[dict[str, Any]]:
     keys = list(MODELS)
     runs: list[dict[str, Any]] = []
     total = args.reps * len(args.contexts) * len(keys)
@@ -425,7 +411,7 @@ def analyze_profile(profile_dir: Path, key: str, n_attn_layers: int, cfg: dict[s
 
 
 def run_profiles(  # noqa: ANN201
-    engines: dict[str, EngineChild],
+    engines: dict[str, local.EngineChild],
     args: argparse.Namespace,
     cfg: dict[str, Any],
     dirs: dict[str, Path],
@@ -577,34 +563,15 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
             )
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.child:
-        child_main(*args.child)
-        return
-    t_all = time.perf_counter()
-    args.contexts = sorted(set(args.contexts))
+def run(args: argparse.Namespace, root: Path, log_dir: Path, running: contextlib.ExitStack) -> dict[str, Any]:
+    """Parts 1-3 with the checkpoints under `root`; the engines stay open in `running`."""
     max_model_len = max(args.contexts) + args.output_len
     max_pos = cdiv(max_model_len, 1024) * 1024
-    out_dir = args.out.parent
-    log_dir = out_dir / "bench_trinity_decode-logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-
-    import vllm
-
-    print("== MLA-Trinity vs built-in AFMoE: decode time per token at long context")
-    print(f"vllm {vllm.__version__}; plugin source: {plugin_state(REPO)}")
-    tmp = None
-    if args.model_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="bench-trinity-decode-")
-        root = Path(tmp.name)
-    else:
-        root = args.model_dir
     t0 = time.perf_counter()
     dirs, cfg = write_checkpoints(args, root, max_pos)
     print(
-        f"checkpoint ({time.perf_counter() - t0:.0f} s): tests/references/afmoe.make_random_afmoe(full_kv_rank="
-        f"{args.kv_lora_rank}) + convert_to_mla(kv_lora_rank={args.kv_lora_rank}); hidden {cfg['hidden_size']}, "
+        f"checkpoint ({time.perf_counter() - t0:.0f} s): write_afmoe_demo(kv_rank={args.kv_lora_rank}) + "
+        f"convert_mla(latent={args.kv_lora_rank}); hidden {cfg['hidden_size']}, "
         f"{cfg['num_hidden_layers']} layers {[t[0].upper() for t in cfg['layer_types']]}, "
         f"{cfg['num_attention_heads']} q / {cfg['num_key_value_heads']} KV heads x {cfg['head_dim']}, window "
         f"{cfg['sliding_window']}, {cfg['num_experts']} experts top-{cfg['num_experts_per_tok']}, "
@@ -633,56 +600,62 @@ def main(argv: list[str] | None = None) -> None:
         f"output {args.output_len}"
     )
     profile_dirs = {k: log_dir / f"profile-{k}" for k in MODELS}
-    engines: dict[str, EngineChild] = {}
+    engines: dict[str, local.EngineChild] = {}
     result: dict[str, Any] = {
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": vars(args),
         "config": cfg,
         "max_model_len": max_model_len,
         "kv_budget": kv,
         "kv_budget_one_request": kv_one,
         "kv_cache_bytes": kv_bytes,
-        "plugin_state": plugin_state(REPO),
+        "plugin_state": local.plugin_state(REPO),
     }
-    try:
-        t0 = time.perf_counter()
-        for key in MODELS:  # start both at once: start-up is not measured
-            kw = dict(engine_kw)
-            if args.profile:
-                for f in profile_dirs[key].glob("*"):
-                    f.unlink()
-                profile_dirs[key].mkdir(parents=True, exist_ok=True)
-                kw["profile_dir"] = str(profile_dirs[key])
-            engines[key] = start_engine(key, dirs[key], kw, log_dir / f"{key}.log")
-        info = {key: eng.wait() for key, eng in engines.items()}
-        for key, eng in engines.items():
-            info[key]["log_concurrency"] = eng.grep(r"Maximum concurrency")
-            info[key]["log_groups"] = eng.grep(r"(?i)kv cache group|hybrid|treating sliding")
-        result["engines"] = info
-        print(f"both engines up ({time.perf_counter() - t0:.0f} s); warm-up request at {min(args.contexts)} each")
-        for eng in engines.values():
-            eng.send({"cmd": "generate", "len": min(args.contexts), "max_tokens": args.output_len, "prompt_seed": 1})
-        result["warmup"] = {key: eng.wait() for key, eng in engines.items()}
-
-        t0 = time.perf_counter()
-        result["runs"] = measure(engines, args, args.output_len)
-        result["measure_s"] = time.perf_counter() - t0
-        result["summary"] = summarize(result["runs"], args.contexts)
+    t0 = time.perf_counter()
+    for key in MODELS:  # start both at once: start-up is not measured
+        kw = dict(engine_kw)
         if args.profile:
-            result["profile"] = run_profiles(engines, args, cfg, profile_dirs, result["runs"])
-    finally:
-        for eng in engines.values():
-            eng.close()
-        if tmp is not None:
-            tmp.cleanup()
+            for f in profile_dirs[key].glob("*"):
+                f.unlink()
+            profile_dirs[key].mkdir(parents=True, exist_ok=True)
+            kw["profile_dir"] = str(profile_dirs[key])
+        engines[key] = running.enter_context(start_engine(key, dirs[key], kw, log_dir / f"{key}.log"))
+    info = {key: eng.wait() for key, eng in engines.items()}
+    for key, eng in engines.items():
+        info[key]["log_concurrency"] = eng.grep(r"Maximum concurrency")
+        info[key]["log_groups"] = eng.grep(r"(?i)kv cache group|hybrid kv cache|treating sliding")
+    result["engines"] = info
+    print(f"both engines up ({time.perf_counter() - t0:.0f} s); warm-up request at {min(args.contexts)} each")
+    for eng in engines.values():
+        eng.send({"cmd": "generate", "len": min(args.contexts), "max_tokens": args.output_len, "prompt_seed": 1})
+    result["warmup"] = {key: eng.wait() for key, eng in engines.items()}
+
+    t0 = time.perf_counter()
+    result["runs"] = measure(engines, args, args.output_len)
+    result["measure_s"] = time.perf_counter() - t0
+    result["summary"] = summarize(result["runs"], args.contexts)
+    if args.profile:
+        result["profile"] = run_profiles(engines, args, cfg, profile_dirs, result["runs"])
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    t_all = time.perf_counter()
+    args = parse_args(argv)
+    if args.child:
+        return child_main(*args.child)
+    args.contexts = sorted(set(args.contexts))
+    log_dir = args.out.parent / "bench_trinity_decode-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    import vllm
+
+    print("== MLA-Trinity vs built-in AFMoE: decode time per token at long context")
+    print(f"vllm {vllm.__version__}; plugin source: {local.plugin_state(REPO)}")
+    with local.scratch_dir(args.model_dir, "bench-trinity-decode-") as root, contextlib.ExitStack() as running:
+        result = run(args, root, log_dir, running)
 
     report(result, args)
-    result["total_s"] = time.perf_counter() - t_all
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(
-        f"\ntotal {result['total_s'] / 60:.1f} min (measured requests {result['measure_s'] / 60:.1f} min); "
-        f"JSON: {args.out}; engine logs: {log_dir}"
-    )
+    local.save_result(args.out, result, t_all, log_dir)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,8 @@ Run (from the repository root)::
     .venv/bin/python deploy/bench_trinity_tp.py        # the measurement: compiled, 3 reps, 64 output tokens
     .venv/bin/python deploy/bench_trinity_tp.py --reps 1 --output-len 16 --enforce-eager   # smoke run
 
-Runtime (2-core host, `nice -n 10`, with other heavy jobs on the machine at the time): the smoke run took 3.8 min
-end to end, of which the two eager startups 33 s (TP=1) + 132 s (TP=2) and the measurements 0.3 min. The default
-run was not timed: its measurements are ~2 min (63 decode steps per call, 3 reps) and each compiled engine adds its
-torch.compile time to startup, so expect ~8-10 min. Options: `--help`. Results: a table on stdout and JSON
-(`--out`, default bench-out/bench_trinity_tp.json); engine logs in bench-out/bench_trinity_tp-logs/.
+Options: `--help`. Results: a table on stdout and JSON (`--out`, default bench-out/bench_trinity_tp.json); engine
+logs in bench-out/bench_trinity_tp-logs/. Measured figures and run times: docs/mla-trinity.md.
 
 What it measures and how:
 1. One checkpoint: `vllm_trn_plugin.demo.write_trinity_demo` (random weights; hidden 512, 32 q / 4 KV heads x 128,
@@ -30,23 +27,22 @@ What it measures and how:
    max_tokens=1 (prefill and the first token) and with max_tokens=N (`--output-len`). Decode throughput =
    B x (N - 1) / (t(N) - t(1)), wall times of the two calls: prefill, first token and per-call overhead cancel.
    This, not vLLM's per-request timestamps, is the figure because the B requests do not start together: the
-   engine core starts a step as soon as the first request reaches it and takes the others in later steps (the
-   smoke run: first tokens of a batch of 8 up to 2.1 s apart at TP=1, 0.9 s at TP=2, while the max_tokens=1 call
-   takes ~2 s), so per-request timestamps mix batch sizes; the difference of the two calls keeps only the N - 1
+   engine core starts a step as soon as the first request reaches it and takes the others in later steps, so
+   per-request timestamps mix batch sizes; the difference of the two calls keeps only the N - 1
    extra steps of the batch (its error is the difference between the two calls' staggering, printed as the
    first-token spread of each; `--output-len` large keeps it small). Cross-check, printed beside it: sum over the
    requests of (n - 1) / (last_token_ts - first_token_ts) (`RequestOutput.metrics`, filled on 0.32 with log stats
    on), exact in lockstep and low when staggered. Also printed: output tokens/s of the whole max_tokens=N call
    (B x N / t(N), prefill included). One discarded warm-up call per engine and batch size.
 4. Greedy tokens of the two engines on the warm-up prompt, printed only: the TP=2 engine sums partial products in
-   another order, so in bfloat16 they diverge after a few tokens (smoke run: 4 of 16 identical).
+   another order, so in bfloat16 they may diverge after a few tokens.
 
 Caveats (this host: 2 cores, one NUMA node):
 - vLLM's CPU build always runs a separate engine-core process (scheduler; token ids in, token ids out) plus one
   worker process per rank, besides the child's front end. At TP=1 its automatic binding ("auto") puts the worker's
   OpenMP threads on one core and logs the other as reserved for the rest; at TP=2 the plugin
   (engine_checks.bind_cpu_workers) sets VLLM_CPU_OMP_THREADS_BIND to one core per worker and nothing is reserved.
-  Observed in the smoke run ("OpenMP thread binding info" log block and the workers' own affinity):
+  vLLM's "OpenMP thread binding info" log block and the workers' own affinity, printed, read on this host:
     TP=1: VLLM_CPU_OMP_THREADS_BIND='auto', local_world_size=1, reserve_cpu_num=1, local_rank=0 core ids=[0],
           reserved_cpus=[1]; worker affinity [0], 1 thread.
     TP=2: VLLM_CPU_OMP_THREADS_BIND='0|1' (set by the plugin in the child: vLLM's "auto" refuses two workers on
@@ -55,39 +51,31 @@ Caveats (this host: 2 cores, one NUMA node):
   "reserved" is not enforced: in both engines the engine-core process's affinity is [0, 1] (it and the front end
   are not pinned). So at TP=1 the scheduler and front end have a core of their own; at TP=2 they share both cores
   with the workers, whose waits (the shared-memory all-reduce, the step queues) busy-poll. TP=2 gets twice the
-  compute but pays two all-reduces per layer and per-step overheads that do not shrink (the demo model takes
-  ~20 ms a step at batch 1): the >= 1.6x target at batch 8 is reported, not asserted.
+  compute but pays two all-reduces per layer and per-step overheads that do not shrink: the >= 1.6x target at
+  batch 8 is reported, not asserted.
 - The workers' binding is read with `LLM.collective_rpc` (affinity of each worker's main thread after the
   warm-up, OMP_NUM_THREADS and any OpenMP affinity variable, the engine core's affinity), hence
   VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the children: it lets vLLM ship a function to its workers, nothing else.
 - Neither child inherits VLLM_CPU_OMP_THREADS_BIND (removed from their environment, with a warning if this shell
   set it): the plugin sets it inside the TP=2 child, in the process that builds the engine config, before its
   workers start; the TP=1 child keeps vLLM's "auto". The value the child saw is printed.
-- Measured (this script as in the first Run line, quiet 2-core host, 4.6 min): decode tokens/s, median of 3, TP=1
-  vs TP=2: batch 1 66.7 vs 74.8 (1.12x), batch 8 157.4 vs 220.0 (1.40x; per rep 1.57, 1.37, 1.46); whole calls
-  with prefill 1.63x at batch 8. The 1.6x target at batch 8 is not met at the demo geometry: a step of this
-  model is ~15 ms of work at batch 1, and what does not halve with TP (the engine core's scheduling, which at
-  TP=1 has a core to itself and at TP=2 shares both with the workers, the per-step Python, two shared-memory
-  all-reduces per layer) is a large part of it. With Trinity-Mini's hidden size and expert width
-  (`--hidden 2048 --moe-intermediate 1024`, 8.8 min): batch 1 21.7 vs 32.7 (1.51x), batch 8 39.8 vs 71.7 (1.80x;
-  per rep 1.59, 1.85, 1.83).
 - Absolute tokens/s vary run to run on a shared machine; compare the ratios measured side by side in one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from vllm_trn_plugin.bench.local import EngineChild, answer, plugin_state
+from vllm_trn_plugin.bench import local
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = {"tp1": 1, "tp2": 2}  # key -> tensor_parallel_size
@@ -162,36 +150,16 @@ def _worker_info(worker: Any) -> dict[str, Any]:
 
 
 def child_main(model_dir: str, engine_json: str) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kw = json.loads(engine_json)
-    t0 = time.perf_counter()
-    llm = LLM(model=model_dir, **kw)
-    vc = llm.llm_engine.vllm_config
-    answer(
-        {
-            "ready": True,
-            "startup_s": time.perf_counter() - t0,
-            # The plugin sets it here, in the process that built the config (TP=2); None means vLLM's "auto".
-            "threads_bind_env": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-            "tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
-            "block_size": vc.cache_config.block_size,
-            "num_blocks": vc.cache_config.num_gpu_blocks,
-            "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
-            "quantization": vc.model_config.quantization,
-            "compilation_mode": getattr(vc.compilation_config.mode, "name", str(vc.compilation_config.mode)),
-        }
-    )
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["cmd"] == "quit":
-            break
+    llm = local.start_child_engine(model_dir, json.loads(engine_json))
+    for cmd in local.child_commands():
         if cmd["cmd"] == "worker_info":
             try:
-                answer({"workers": llm.collective_rpc(_worker_info, timeout=120)})
+                local.answer({"workers": llm.collective_rpc(_worker_info, timeout=120)})
             except Exception as exc:  # noqa: BLE001  (diagnostic only: report it, keep the engine)
-                answer({"workers": None, "error": f"{type(exc).__name__}: {exc}"})
+                local.answer({"workers": None, "error": f"{type(exc).__name__}: {exc}"})
             continue
         ids = prompts_for(cmd["prompt_seed"], cmd["batch"], cmd["len"])
         sampling = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True)
@@ -200,7 +168,7 @@ def child_main(model_dir: str, engine_json: str) -> None:
         wall = time.perf_counter() - t0
         ms = [o.metrics for o in outs]
         have = all(m is not None for m in ms)
-        answer(
+        local.answer(
             {
                 "wall_s": wall,
                 "n_gen": [len(o.outputs[0].token_ids) for o in outs],
@@ -219,16 +187,16 @@ def child_main(model_dir: str, engine_json: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def start_engine(key: str, model_dir: Path, engine_kw: dict[str, Any], log_path: Path) -> EngineChild:
+def start_engine(key: str, model_dir: Path, engine_kw: dict[str, Any], log_path: Path) -> local.EngineChild:
     """This script with --child: one vLLM engine in its own process."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(model_dir), json.dumps(engine_kw)]
     env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     # Each engine chooses its own binding: the plugin sets one in the TP=2 child; TP=1 keeps vLLM's "auto".
     env.pop(THREADS_BIND, None)
-    return EngineChild(LABEL[key], cmd, log_path, env, REPO)
+    return local.EngineChild(LABEL[key], cmd, log_path, env, REPO)
 
 
-def binding_log(eng: EngineChild) -> list[str]:
+def binding_log(eng: local.EngineChild) -> list[str]:
     """vLLM's "OpenMP thread binding info" record (and any warning of ompmultiprocessing.py), one entry per line
     of its multi-line message; vLLM repeats the "(EngineCore pid=...) INFO date [file:line]" prefix on each."""
     return [line.split("] ", 1)[-1].strip() for line in eng.log_lines if "[ompmultiprocessing.py:" in line]
@@ -251,7 +219,7 @@ def write_checkpoint(args: argparse.Namespace, root: Path) -> Path:
     return report.dst
 
 
-def measure_one(eng: EngineChild, args: argparse.Namespace, batch: int, prompt_seed: int) -> dict[str, Any]:
+def measure_one(eng: local.EngineChild, args: argparse.Namespace, batch: int, prompt_seed: int) -> dict[str, Any]:
     """The same B prompts with max_tokens=1 and =N, back to back; throughputs from the two wall times."""
     n = args.output_len
     base = {"cmd": "generate", "batch": batch, "len": args.prompt_len, "prompt_seed": prompt_seed}
@@ -259,11 +227,9 @@ def measure_one(eng: EngineChild, args: argparse.Namespace, batch: int, prompt_s
     full = eng.request({**base, "max_tokens": n})
     for ans, want in ((one, 1), (full, n)):
         if ans["n_gen"] != [want] * batch:
-            raise SystemExit(f"{LABEL[eng.key]}: expected {want} tokens per request, got {ans['n_gen']}")
+            raise SystemExit(f"{eng.label}: expected {want} tokens per request, got {ans['n_gen']}")
         if ans["preemptions"]:
-            raise SystemExit(
-                f"{LABEL[eng.key]}: {ans['preemptions']} preemption(s): the timing would hold a re-prefill"
-            )
+            raise SystemExit(f"{eng.label}: {ans['preemptions']} preemption(s): the timing would hold a re-prefill")
     res: dict[str, Any] = {
         "t1_s": one["wall_s"],
         "tN_s": full["wall_s"],
@@ -283,7 +249,7 @@ def measure_one(eng: EngineChild, args: argparse.Namespace, batch: int, prompt_s
     return res
 
 
-def measure(engines: dict[str, EngineChild], args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure(engines: dict[str, local.EngineChild], args: argparse.Namespace) -> list[dict[str, Any]]:
     keys = list(engines)
     runs: list[dict[str, Any]] = []
     total = args.reps * len(args.batch_sizes) * len(keys)
@@ -440,18 +406,12 @@ def main(argv: list[str] | None = None) -> None:
 
     cores = sorted(os.sched_getaffinity(0))
     print(f"== MLA-Trinity decode throughput, tensor parallelism 2 vs 1 (cores allowed: {cores})")
-    print(f"vllm {vllm.__version__}; plugin source: {plugin_state(REPO)}")
+    print(f"vllm {vllm.__version__}; plugin source: {local.plugin_state(REPO)}")
     if THREADS_BIND in os.environ:
         print(
             f"WARNING: {THREADS_BIND}={os.environ[THREADS_BIND]!r} is set here; it is removed for both engines "
             "(each chooses its own binding)"
         )
-    tmp = None
-    if args.model_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="bench-trinity-tp-")
-        root = Path(tmp.name)
-    else:
-        root = args.model_dir
     max_batch = max(args.batch_sizes)
     engine_kw = dict(
         dtype=args.dtype,
@@ -466,14 +426,14 @@ def main(argv: list[str] | None = None) -> None:
         seed=0,
     )
     result: dict[str, Any] = {
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": vars(args),
         "cores": cores,
         "engine_kw": engine_kw,
-        "plugin_state": plugin_state(REPO),
+        "plugin_state": local.plugin_state(REPO),
         "vllm": vllm.__version__,
     }
-    engines: dict[str, EngineChild] = {}
-    try:
+    engines: dict[str, local.EngineChild] = {}
+    with local.scratch_dir(args.model_dir, "bench-trinity-tp-") as root, contextlib.ExitStack() as running:
         t0 = time.perf_counter()
         model_dir = write_checkpoint(args, root)
         cfg = json.loads((model_dir / "config.json").read_text())
@@ -492,9 +452,8 @@ def main(argv: list[str] | None = None) -> None:
         info: dict[str, dict[str, Any]] = {}
         for key, tp in ENGINES.items():  # one after the other: startups must not share the cores
             t0 = time.perf_counter()
-            engines[key] = start_engine(
-                key, model_dir, {**engine_kw, "tensor_parallel_size": tp}, log_dir / f"{key}.log"
-            )
+            kw = {**engine_kw, "tensor_parallel_size": tp}
+            engines[key] = running.enter_context(start_engine(key, model_dir, kw, log_dir / f"{key}.log"))
             info[key] = engines[key].wait()
             print(f"{LABEL[key]} engine up ({time.perf_counter() - t0:.0f} s)", flush=True)
 
@@ -531,20 +490,9 @@ def main(argv: list[str] | None = None) -> None:
         result["runs"] = measure(engines, args)
         result["measure_s"] = time.perf_counter() - t0
         result["summary"] = summarize(result["runs"], args.batch_sizes)
-    finally:
-        for eng in engines.values():
-            eng.close()
-        if tmp is not None:
-            tmp.cleanup()
 
     report(result, args)
-    result["total_s"] = time.perf_counter() - t_all
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(
-        f"\ntotal {result['total_s'] / 60:.1f} min (measurements {result['measure_s'] / 60:.1f} min); "
-        f"JSON: {args.out}; engine logs: {log_dir}"
-    )
+    local.save_result(args.out, result, t_all, log_dir)
 
 
 if __name__ == "__main__":

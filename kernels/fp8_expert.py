@@ -1,4 +1,5 @@
-"""FP8 x FP8 matmul with fp32 accumulation: the numerics of every quantized matrix (MLPs, experts, LM head).
+"""FP8 x FP8 matmul with fp32 accumulation: the numerics of every quantized matrix (MLPs, experts, LM head),
+and MLA-Trinity's routed FP8 experts built on it.
 
 Weights arrive as Trainium2 FP8 (E4M3, |w| <= 240) with one float32 scale per output row (from the
 exact MXFP4 expansion, or the FP8 LM head). Activations are quantized per token, inside the op:
@@ -20,10 +21,18 @@ float32. The result stays float32; callers cast.
 
 On CPU the fastest exact path is torch's float32 matmul on the FP8 values upcast (exactly) to
 float32: there is no FP8 GEMM on this host, and the upcast of a weight matrix is cheaper than any
-emulation. On Trainium the same math runs on TensorE in double-row FP8 mode (kernels/ NKI issue).
+emulation. On Trainium the same math runs on TensorE in double-row FP8 mode (fp8_expert_nki.py).
+
+Where each form lives: this module is the definition and the torch path at once (plain torch, no tiling):
+`fp8_expert` is one expert's MLP and `fp8_experts` the routed sum over a layer's experts; the tests compare
+the NKI kernel (fp8_expert_nki.py: kernel, host wrapper, cost formula) against them, and these against
+float64 and ml_dtypes' FP8 (tests/test_fp8_expert.py). `dispatch.fp8_experts` picks the torch path or the
+kernel.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -65,29 +74,47 @@ def row_linear(
     return y if bias is None else y + bias.float()
 
 
-def fp8_experts(
-    x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13: torch.Tensor,
-    s13: torch.Tensor,
-    b13: torch.Tensor,
-    w2: torch.Tensor,
-    s2: torch.Tensor,
-    b2: torch.Tensor,
-) -> torch.Tensor:
-    """Routed experts, torch path: sum_k topk_weights[t, k] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k].
+class ExpertWeights(NamedTuple):
+    """A layer's routed experts: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], FP8 (or bf16, the
+    VLLM_TRN_ALLOW_BF16 opt-in), each with fp32 row scales s13 [E, 2I], s2 [E, H] and biases b13, b2 alike."""
 
-    w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], FP8 (or bf16, opt-in) with fp32 row scales and biases;
-    every product FP8 for FP8 weights. Experts are visited in ascending order (the NKI kernel's order). An id < 0
-    is an expert this rank does not hold (expert parallelism): it adds nothing here.
+    w13: torch.Tensor
+    s13: torch.Tensor
+    b13: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+    b2: torch.Tensor
+
+    def expert(self, e: int) -> ExpertWeights:
+        """Expert e's matrices, scales and biases (the leading dimension dropped)."""
+        return ExpertWeights(*(t[e] for t in self))
+
+    @property
+    def fp8(self) -> bool:
+        """Both matrices in FP8 (what the NKI kernel takes)."""
+        return self.w13.dtype == FP8_DTYPE and self.w2.dtype == FP8_DTYPE
+
+
+def fp8_expert(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    """One expert (`w` without the expert dimension) on every row of x [T, H]: y float32 [T, H] =
+    down(SiLU(gate(x)) * up(x)), each projection a `row_linear` (every product FP8 for FP8 weights)."""
+    gate, up = row_linear(x, w.w13, w.s13, w.b13).chunk(2, dim=-1)
+    return row_linear(torch.nn.functional.silu(gate) * up, w.w2, w.s2, w.b2)
+
+
+def fp8_experts(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeights
+) -> torch.Tensor:
+    """Routed experts, torch path: sum_k topk_weights[t, k] * fp8_expert(x_t, experts[e]), e = topk_ids[t, k].
+
+    Experts are visited in ascending order (the NKI kernel's order). An id < 0 is an expert this rank does not
+    hold (expert parallelism): it adds nothing here. Returns x.dtype [T, H].
     """
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
         if e < 0:
             continue
         tok, k = (topk_ids == e).nonzero(as_tuple=True)
-        gate, up = row_linear(x[tok], w13[e], s13[e], b13[e]).chunk(2, dim=-1)
-        y = row_linear(torch.nn.functional.silu(gate) * up, w2[e], s2[e], b2[e])
+        y = fp8_expert(x[tok], experts.expert(e))
         out.index_add_(0, tok, y * topk_weights[tok, k, None].float())
     return out.to(x.dtype)

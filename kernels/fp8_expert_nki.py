@@ -1,10 +1,12 @@
-"""FP8 x FP8 routed-expert MLP as NKI 0.6 kernels for Trainium2 (MLA-Trinity's experts).
+"""FP8 x FP8 routed-expert MLP as an NKI 0.6 kernel for Trainium2 (MLA-Trinity's experts): the kernel
+`fp8_experts_kernel`, its host wrapper `fp8_experts_nki` and its cost formula `fp8_experts_cost`.
 
-The op (kernels/fp8_expert.fp8_experts, the torch path; every product FP8, fp32 accumulation):
+The op (fp8_expert.py: `fp8_expert` for one expert, `fp8_experts` for the routed sum, both the definition
+and the torch path; every product FP8, fp32 accumulation):
 
     out[t] = sum_k topk_weights[t, k] * y_e(x[t]),   e = topk_ids[t, k]
     y_e(x) = L(Q(h), w2[e], s2[e], b2[e]),   h = SiLU(gate) * up,   [gate | up] = L(Q(x), w13[e], s13[e], b13[e])
-    L(q, w, s_row, b)[t, n] = ((sum_k q[t, k] * w[n, k]) * s_tok[t]) * s_row[n] + b[n]      (kernels/fp8_expert.py)
+    L(q, w, s_row, b)[t, n] = ((sum_k q[t, k] * w[n, k]) * s_tok[t]) * s_row[n] + b[n]
 
 with w13 [E, 2I, Hd] FP8 (gate rows, then up rows), w2 [E, Hd, I] FP8, s*/b* float32 per row, and Q the
 per-token quantization to Trainium2 E4M3 (one scale per token, computed here inside the kernel):
@@ -12,13 +14,12 @@ per-token quantization to Trainium2 E4M3 (one scale per token, computed here ins
     a = max(max_k |v[t, k]|, 2^-100)     inv = 240 * RN(1 / a)     s_tok = a * RN(1 / 240)
     q[t, k] = RNE_e4m3(clamp(v[t, k] * inv, -240, 240))
 
-The ISA has no divide (the ALU table [SHARED] lists reciprocal, not divide; NKI 0.6's device compiler
-rejects ``op0=nl.divide`` although simulators accept it — third-party kernels in the search index record
-"unsupported operator 'divide'"), so ``240 / a`` and ``a / 240`` become ``240 * (1 / a)`` and
-``a * fp32(1 / 240)``; the project's ``quantize_per_token`` (kernels/fp8_expert.py) computes exactly
-this, so the torch path and the kernel produce the same FP8 codes and scales, bit for bit. The floor
-2^-100 keeps 240 / a finite and s_tok a normal fp32 number (a zero row: codes 0, product 0).
-The clamp catches v * inv rounding one ulp past 240 (a fifth of all rows): round-to-nearest-even
+The ISA has no divide (docs/nki-0.6.md sections 5.6 and 6: the ALU ops list reciprocal, not divide, and
+``nl.divide`` is unsupported on hardware though it works in simulation), so ``240 / a`` and ``a / 240``
+become ``240 * (1 / a)`` and ``a * fp32(1 / 240)``; ``quantize_per_token`` (fp8_expert.py) computes
+exactly this, so the torch path and the kernel produce the same FP8 codes and scales, bit for bit. The
+floor 2^-100 keeps 240 / a finite and s_tok a normal fp32 number (a zero row: codes 0, product 0).
+The clamp catches v * inv rounding one ulp past 240 (a common case, docs/kernels.md): round-to-nearest-even
 brings 240 + ulp back to 240 (ml_dtypes, the emulator), but what the engines do with an fp32 value
 beyond E4M3's 240 on an FP8 write is not documented (saturate, inf or NaN), so the kernel never
 hands them one.
@@ -38,9 +39,8 @@ Layout ("transposed": features on the 128 partitions, tokens on the free axis, T
 - h is quantized per token the same way (its amax runs over the partitions: one transpose, one
   reduce, one broadcast transpose), and the down projection runs the same way (``stationary`` =
   w2^T tile [128 i, I/128, 128 d], ``moving`` = hq^T), so s2 lands on the output's partition axis.
-- fp8_expert_kernel stores y^T through a transposing access pattern into y [T, Hd];
-  fp8_experts_kernel weights it by the routing weights and adds it into an fp32 accumulator
-  [128, Hd/128, T] resident in SBUF, stored once at the end.
+- each block's y^T is weighted by the routing weights and added into an fp32 accumulator
+  [128, Hd/128, T] resident in SBUF, stored once at the end through a transposing access pattern.
 
 Resident in SBUF per expert: its whole FP8 weights as tiles (2 KiB + 1 KiB per partition per row tile
 at Trinity-Mini's Hd = 2048, I = 1024: 48 KiB in all if the compiler keeps every tile in flight);
@@ -80,7 +80,7 @@ copy), each partition would read contiguous 128-byte runs with the same kernel a
 Numerics contract (tests/test_fp8_expert_nki.py): FP8 codes and scales of x and of h are bit-exact
 against ``quantize_per_token`` applied to the same fp32 input; the matmuls are exact products
 with fp32 accumulation whose order is the device's (only accumulation order and the ScalarE SiLU
-differ from the fp32 torch reference); so y agrees with ``fp8_expert_reference`` to fp32 rounding,
+differ from the fp32 torch reference); so y agrees with ``fp8_expert`` to fp32 rounding,
 except that h, being re-quantized, can land on the other side of an FP8 rounding midpoint, which moves
 y by at most one FP8 step of h times the w2 row (see the tests for the bound).
 """
@@ -92,59 +92,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from vllm_trn_plugin.kernels.fp8_expert import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, INV_FP8_MAX, quantize_per_token
+from vllm_trn_plugin.kernels.fp8_expert import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, ExpertWeights
 from vllm_trn_plugin.kernels.nki_shim import nisa, nki, nl
 
 P = 128  # partitions
 MAX_TOKENS = 128  # tokens per kernel call: the amax transpose puts tokens on partitions
 PSUM_BANK_F32 = 512
-
-
-# ---------------------------------------------------------------------------------------------
-# torch references (plain fp32 torch: the definition of the op with the kernels' exact inputs)
-# ---------------------------------------------------------------------------------------------
-def _linear(
-    q: torch.Tensor, s_tok: torch.Tensor, w: torch.Tensor, s_row: torch.Tensor, b: torch.Tensor
-) -> torch.Tensor:
-    return (q.float() @ w.float().t()) * s_tok[:, None] * s_row.float()[None, :] + b.float()[None, :]
-
-
-def fp8_expert_reference(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    s13: torch.Tensor,
-    b13: torch.Tensor,
-    w2: torch.Tensor,
-    s2: torch.Tensor,
-    b2: torch.Tensor,
-) -> torch.Tensor:
-    """One expert on every row of x [T, Hd] (fp8_expert_kernel's inputs): y float32 [T, Hd]."""
-    xq, sx = quantize_per_token(x)
-    gate, up = _linear(xq, sx, w13, s13, b13).chunk(2, dim=-1)
-    hq, sh = quantize_per_token(torch.nn.functional.silu(gate) * up)
-    return _linear(hq, sh, w2, s2, b2)
-
-
-def fp8_experts_reference(
-    x: torch.Tensor,
-    block_expert: torch.Tensor,
-    block_active: torch.Tensor,
-    block_weight: torch.Tensor,
-    w13: torch.Tensor,
-    s13: torch.Tensor,
-    b13: torch.Tensor,
-    w2: torch.Tensor,
-    s2: torch.Tensor,
-    b2: torch.Tensor,
-    n_always: int,
-) -> torch.Tensor:
-    """fp8_experts_kernel's inputs -> out float32 [T, Hd]: active blocks in order, out += y_e * w."""
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for b in range(block_weight.shape[0]):
-        if b < n_always or int(block_active[b]):
-            e = int(block_expert[b])
-            out = out + fp8_expert_reference(x, w13[e], s13[e], b13[e], w2[e], s2[e], b2[e]) * block_weight[b, :, None]
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,12 +145,7 @@ def fp8_experts_nki(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    w13: torch.Tensor,
-    s13: torch.Tensor,
-    b13: torch.Tensor,
-    w2: torch.Tensor,
-    s2: torch.Tensor,
-    b2: torch.Tensor,
+    experts: ExpertWeights,
     runner: Callable[[Any], Callable[..., torch.Tensor]],
     all_local: bool = True,
 ) -> torch.Tensor:
@@ -207,17 +155,13 @@ def fp8_experts_nki(
     Prepares only the routing layout (``expert_blocks``, O(T K + E T) torch ops); the weights go to the
     kernel as the model holds them. T is split into calls of at most 128 tokens.
     """
-    if w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
-        raise ValueError(f"fp8_experts_nki: FP8 expert weights required, got {w13.dtype} / {w2.dtype}")
+    if not experts.fp8:
+        raise ValueError(f"fp8_experts_nki: FP8 expert weights required, got {experts.w13.dtype} / {experts.w2.dtype}")
     outs = []
     for t0 in range(0, x.shape[0], MAX_TOKENS):
         sl = slice(t0, t0 + MAX_TOKENS)
-        blk = expert_blocks(topk_weights[sl], topk_ids[sl], w13.shape[0], all_local)
-        outs.append(
-            runner(fp8_experts_kernel)(
-                x[sl].contiguous(), blk.expert, blk.active, blk.weight, w13, s13, b13, w2, s2, b2, blk.n_always
-            )
-        )
+        blk = expert_blocks(topk_weights[sl], topk_ids[sl], experts.w13.shape[0], all_local)
+        outs.append(runner(fp8_experts_kernel)(x[sl].contiguous(), *blk[:3], *experts, blk.n_always))
     if not outs:
         return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     return torch.cat(outs).to(x.dtype)
@@ -246,7 +190,7 @@ def fp8_experts_cost(
 
 
 # ---------------------------------------------------------------------------------------------
-# kernel building blocks (inlined at specialization)
+# kernel building blocks (inlined at specialization; the tests run one expert through them)
 # ---------------------------------------------------------------------------------------------
 def _hbm(t: Any, pattern: list[list[int]], offset: int, expert: Any) -> Any:
     """An access pattern on an HBM tensor; with a register ``expert``, into that expert's slice."""
@@ -320,14 +264,14 @@ def _projection(
         nisa.tensor_tensor(dst=out, data1=out, data2=_bcast_rows(b_t, nr, r0, n, t), op=nl.add)
 
 
-def _load_x_t(x: Any, t: int, hd: int) -> tuple[Any, Any]:
+def load_quantized_x(x: Any, t: int, hd: int) -> tuple[Any, Any]:
     """x [T, Hd] (HBM, any float dtype) -> quantized xq^T [128, Hd/128, T] FP8 and s_tok [128, T]."""
     x_t = nl.ndarray((P, hd // P, t), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=x_t, src=x.ap([[1, P], [P, hd // P], [hd, t]], offset=0))
     return _quantize_cols(x_t, hd // P, t)
 
 
-def _expert_mlp(
+def expert_mlp(
     xq: Any, sx: Any, t: int, w13: Any, s13: Any, b13: Any, w2: Any, s2: Any, b2: Any, expert: Any
 ) -> tuple[Any, Any, Any, Any]:
     """One expert on all t token columns -> (y^T [128, Hd/128, t] fp32, h^T, hq^T, s_h)."""
@@ -344,12 +288,13 @@ def _expert_mlp(
     return y, h, hq, sh
 
 
-def _check_shapes(t: int, hd: int, two_i: int) -> None:
+def check_shapes(t: int, hd: int, two_i: int) -> None:
+    """The kernel's size contract: 1..128 tokens per call, Hd and I multiples of 256 (double-row tiles)."""
     assert 1 <= t <= MAX_TOKENS, f"tokens per call must be 1..{MAX_TOKENS}, got {t}"
     assert hd % 256 == 0 and two_i % 512 == 0, f"Hd and I must be multiples of 256, got Hd={hd}, 2I={two_i}"
 
 
-def _store_t(dst: Any, src: Any, t: int, cols: int) -> None:
+def store_transposed(dst: Any, src: Any, t: int, cols: int) -> None:
     """src [128, cols/128, t] -> dst [t, cols] (HBM) through a transposing access pattern."""
     nisa.dma_copy(dst=dst.ap([[1, P], [P, cols // P], [cols, t]], offset=0), src=src)
 
@@ -357,36 +302,6 @@ def _store_t(dst: Any, src: Any, t: int, cols: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------------
-@nki.jit
-def fp8_expert_kernel(x, w13, s13, b13, w2, s2, b2, debug=False):
-    """One expert block: y [T, Hd] fp32 = the expert MLP of every row of x (see the module docstring).
-
-    x [T, Hd] (T <= 128; bf16 or fp32), w13 [2I, Hd] FP8, s13/b13 [2I] fp32, w2 [Hd, I] FP8, s2/b2 [Hd]
-    fp32. With ``debug`` also returns the kernel's intermediates for the tests: xq [T, Hd] FP8,
-    s_x [T], h [T, I] fp32 (before quantization), hq [T, I] FP8, s_h [T].
-    """
-    t, hd = x.shape
-    two_i = w13.shape[0]
-    _check_shapes(t, hd, two_i)
-    xq, sx = _load_x_t(x, t, hd)
-    y, h, hq, sh = _expert_mlp(xq, sx, t, w13, s13, b13, w2, s2, b2, None)
-    out = nl.ndarray((t, hd), dtype=nl.float32, buffer=nl.shared_hbm)
-    _store_t(out, y, t, hd)
-    if not debug:
-        return out
-    xq_o = nl.ndarray((t, hd), dtype=nl.float8_e4m3, buffer=nl.shared_hbm)
-    _store_t(xq_o, xq, t, hd)
-    sx_o = nl.ndarray((t,), dtype=nl.float32, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=sx_o, src=sx[0:1, :])
-    h_o = nl.ndarray((t, two_i // 2), dtype=nl.float32, buffer=nl.shared_hbm)
-    _store_t(h_o, h, t, two_i // 2)
-    hq_o = nl.ndarray((t, two_i // 2), dtype=nl.float8_e4m3, buffer=nl.shared_hbm)
-    _store_t(hq_o, hq, t, two_i // 2)
-    sh_o = nl.ndarray((t,), dtype=nl.float32, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=sh_o, src=sh[0:1, :])
-    return out, xq_o, sx_o, h_o, hq_o, sh_o
-
-
 @nki.jit
 def fp8_experts_kernel(x, block_expert, block_active, block_weight, w13, s13, b13, w2, s2, b2, n_always):
     """All routed experts of a layer: out [T, Hd] fp32 = sum over active blocks b of block_weight[b] * y_e.
@@ -398,13 +313,13 @@ def fp8_experts_kernel(x, block_expert, block_active, block_weight, w13, s13, b1
     t, hd = x.shape
     nb = block_weight.shape[0]
     two_i = w13.shape[1]
-    _check_shapes(t, hd, two_i)
+    check_shapes(t, hd, two_i)
     nd = hd // P
     eid = nl.ndarray((1, nb), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=eid, src=block_expert)
     act = nl.ndarray((1, nb), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=act, src=block_active)
-    xq, sx = _load_x_t(x, t, hd)
+    xq, sx = load_quantized_x(x, t, hd)
     acc = nl.ndarray((P, nd, t), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=acc, value=0.0)
     expert = nisa.register_alloc(0)
@@ -415,7 +330,7 @@ def fp8_experts_kernel(x, block_expert, block_active, block_weight, w13, s13, b1
             nisa.register_load(expert, eid[0:1, b : b + 1])
             wt = nl.ndarray((P, t), dtype=nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=wt, src=block_weight.ap([[0, P], [1, t]], offset=b * t))
-            y, _, _, _ = _expert_mlp(xq, sx, t, w13, s13, b13, w2, s2, b2, expert)
+            y, _, _, _ = expert_mlp(xq, sx, t, w13, s13, b13, w2, s2, b2, expert)
             nisa.tensor_tensor(dst=y, data1=y, data2=_bcast_tokens(wt, nd, t), op=nl.multiply)
             nisa.tensor_tensor(dst=acc, data1=acc, data2=y, op=nl.add)
 
@@ -428,17 +343,18 @@ def fp8_experts_kernel(x, block_expert, block_active, block_weight, w13, s13, b1
             nisa.register_load(trips, act[0:1, b : b + 1])
             nl.fori_loop(0, trips, block(b))
     out = nl.ndarray((t, hd), dtype=nl.float32, buffer=nl.shared_hbm)
-    _store_t(out, acc, t, hd)
+    store_transposed(out, acc, t, hd)
     return out
 
 
 __all__ = [
     "ExpertBlocks",
+    "check_shapes",
     "expert_blocks",
-    "fp8_expert_kernel",
-    "fp8_expert_reference",
+    "expert_mlp",
     "fp8_experts_cost",
     "fp8_experts_kernel",
     "fp8_experts_nki",
-    "fp8_experts_reference",
+    "load_quantized_x",
+    "store_transposed",
 ]

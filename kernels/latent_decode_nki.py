@@ -1,15 +1,9 @@
-"""Absorbed latent decode attention (MLA-Trinity's global layers) as an NKI 0.6 kernel for trn2.
+"""Absorbed latent decode attention (MLA-Trinity's global layers) as an NKI 0.6 kernel for trn2: the kernel,
+its host wrapper `latent_decode_nki` and its cost formula `latent_decode_cost`.
 
-Math, per sequence b (one query token), query head h of KV group g = h // G (G = H / Hkv)::
-
-    q~_h    = W_k,g^T (gamma * q_h)                              r-wide   (W_k [Hkv, hd, r])
-    score_i = scale * (q~_h . c_i) * s_g,i    for keys i < L_b   (s = key_scales[row_i, g])
-    u_h     = sum_i softmax_i(score) c_i                         latent space
-    out_h   = W_v,g u_h                                          (W_v [Hkv, hd, r])
-
-row_i = block_table[b, i // bs] * bs + i % bs. K and V are never formed: every cached latent is
-read once and used by both products; s_g,i = 1 / rms(W_k,g c_i) is the exact per-key norm scale
-the model computes once at cache-write time (model_executors/latent_attention.py).
+The op (its math, its definition `latent_decode_reference` and the torch path) is in latent_decode.py;
+`latent_decode_nki` takes the same arguments plus a runner and returns the same result. NKI semantics the
+kernel relies on: docs/nki-0.6.md (section 9 (a) for the idioms).
 
 Indices. The torch-facing entry `latent_decode_nki` expands the block table into a per-key row
 table `rows [B, bucket]` int32 (row_i for i < L_b, the out-of-range row `cache.shape[0]` after).
@@ -64,9 +58,9 @@ matmul (its operands must pair with the latents); q~, C^T (copied out as fp32) a
 matmul are fp32, the query and output projections are fp32 whatever the weights' dtype, every
 matmul accumulates in fp32 PSUM, and the softmax state is fp32. So with an fp32 cache the kernel
 equals the fp32 torch reference to fp32 rounding (summation order, online vs full softmax, scale
-folded into q); with a bf16 cache out_h moves by at most 2^-8 sum_i p_i |v_i| (measured: half
-of that). Rounding q~ to bf16 as well would cost 3-6x that error (measured 2-6e-3 vs 4-8e-4 of
-max |out|: q~ . c cancels heavily), hence the fp32 score path.
+folded into q); with a bf16 cache out_h moves by at most 2^-8 sum_i p_i |v_i|. The score path stays
+in fp32 because q~ . c cancels heavily: rounding q~ to bf16 as well costs several times that error
+(docs/kernels.md).
 Bit-exact: every sequence of a batch runs the same instruction sequence on the same shapes
 (nothing is batched across sequences), so each output row equals the sequence's single-sequence
 run; NaN or garbage in cache rows, key scales or table entries past L_b changes no bit.
@@ -79,6 +73,7 @@ from typing import Any
 
 import torch
 
+from vllm_trn_plugin.kernels.latent_decode import AbsorbedWeights, PagedLatents
 from vllm_trn_plugin.kernels.nki_shim import nisa, nki, nl
 
 P = 128  # partitions; keys per tile
@@ -277,44 +272,6 @@ def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, 
     return out
 
 
-def latent_decode_reference(
-    q: torch.Tensor,
-    gamma: torch.Tensor,
-    w_k: torch.Tensor,
-    w_v: torch.Tensor,
-    cache: torch.Tensor,
-    key_scales: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    block_size: int,
-) -> torch.Tensor:
-    """The op's definition in plain fp32 torch: gather each sequence's rows, full softmax.
-
-    q [B, H, hd] (after q_norm), gamma [hd], w_k / w_v [Hkv, hd, r], cache [N, r],
-    key_scales [N, Hkv], block_table [B, max_blocks], seq_lens [B] (>= 1). Returns [B, H, hd] fp32.
-    """
-    B, H, hd = q.shape
-    Hkv, _, r = w_k.shape
-    G = H // Hkv
-    wk, wv = w_k.float(), w_v.float()
-    out = torch.empty(B, H, hd, dtype=torch.float32, device=q.device)
-    for b in range(B):
-        L = int(seq_lens[b])
-        if L < 1:
-            raise ValueError(f"sequence {b}: seq_len {L} < 1")
-        i = torch.arange(L, device=q.device)
-        rows = block_table[b].long()[i // block_size] * block_size + i % block_size
-        c = cache[rows].float()  # [L, r]
-        s = key_scales[rows].float()  # [L, Hkv]
-        qg = (q[b].float() * gamma.float()).view(Hkv, G, hd)
-        q_lat = torch.einsum("gjd,gdr->gjr", qg, wk)
-        score = scale * torch.einsum("gjr,lr->gjl", q_lat, c) * s.t()[:, None, :]
-        u = torch.softmax(score, dim=-1) @ c  # [Hkv, G, r]
-        out[b] = torch.einsum("gjr,gdr->gjd", u, wv).reshape(H, hd)
-    return out
-
-
 def pick_bucket(max_len: int) -> int:
     """The smallest context bucket holding max_len keys; longer contexts are an error."""
     for bucket in BUCKETS:
@@ -336,47 +293,37 @@ def row_table(
 
 def latent_decode_nki(
     q: torch.Tensor,
-    gamma: torch.Tensor,
-    w_k: torch.Tensor,
-    w_v: torch.Tensor,
-    cache: torch.Tensor,
-    key_scales: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    block_size: int,
+    w: AbsorbedWeights,
+    h: PagedLatents,
     runner: Callable[[Callable[..., Any]], Callable[..., torch.Tensor]],
     bucket: int | None = None,
 ) -> torch.Tensor:
     """Run `latent_decode_kernel` on the model's tensors as it holds them; [B, H, hd] fp32.
 
     `runner` is the shim's `simulate` in emulation, or whatever calls an `nki.jit` kernel on the
-    device. Checks the compile-time contract (block size a power of two, 1 <= L_b <= bucket, the
-    block table wide enough for L_b), picks the smallest bucket holding max(L_b) unless `bucket` is
+    device. Checks the compile-time contract (the op's `PagedLatents.lengths`, a block size that is a
+    power of two, L_b <= bucket), picks the smallest bucket holding max(L_b) unless `bucket` is
     given (a multiple of 128; tests use small ones), expands the block table into the per-key row
     table (the only layout work) and calls `runner(latent_decode_kernel)(...)`. The cache may be
     [num_blocks, bs, r] or [rows, r] and the key scales [..., Hkv] (reshaped, not copied); every
     tensor goes in its own dtype.
     """
-    if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"block_size {block_size} is not a power of two")
-    lens = seq_lens.detach().cpu().long()
-    if lens.numel() != q.shape[0] or int(lens.min()) < 1:
-        raise ValueError("every sequence needs 1 <= seq_len (one per query)")
-    max_len = int(lens.max())
+    bs = h.block_size
+    if bs < 1 or bs & (bs - 1):
+        raise ValueError(f"block_size {bs} is not a power of two")
+    max_len = max(h.lengths(q.shape[0]))
     if bucket is None:
         bucket = pick_bucket(max_len)
     elif bucket % P:
         raise ValueError(f"bucket {bucket} is not a multiple of {P}")
     if max_len > bucket:
         raise ValueError(f"seq_len {max_len} exceeds the kernel's bucket {bucket}")
-    if max_len > block_table.shape[1] * block_size:
-        raise ValueError(f"seq_len {max_len} needs more blocks than block_table has ({block_table.shape[1]})")
-    cache = cache.reshape(-1, cache.shape[-1])
-    key_scales = key_scales.reshape(-1, key_scales.shape[-1])
-    rows = row_table(block_table, lens.to(block_table.device), block_size, bucket, cache.shape[0])
+    lens = h.seq_lens.detach().cpu().long()
+    cache = h.cache.reshape(-1, h.cache.shape[-1])
+    key_scales = h.key_scales.reshape(-1, h.key_scales.shape[-1])
+    rows = row_table(h.block_table, lens.to(h.block_table.device), bs, bucket, cache.shape[0])
     out = runner(latent_decode_kernel)(
-        q, gamma, w_k, w_v, cache, key_scales, rows, lens.to(torch.int32).to(q.device), float(scale)
+        q, w.gamma, w.w_k, w.w_v, cache, key_scales, rows, lens.to(torch.int32).to(q.device), float(w.scale)
     )
     return out.float()
 
@@ -417,95 +364,3 @@ def latent_decode_cost(
         "transpose_instructions": Hkv * RC + B * (1 + RC + NT * (RC + 2)),
         "matmul_macs": B * (2 * H * hd * r + NT * 2 * P * H * r),
     }
-
-
-# ---------------------------------------------------------------------------------------------
-# torch path (CPU): tiled like the kernel, for one core's caches
-# ---------------------------------------------------------------------------------------------
-DECODE_TILE = 2048  # keys per tile of absorbed decode (rounded to whole cache blocks)
-_workspace: dict[tuple[torch.dtype, torch.device, bool], torch.Tensor] = {}
-
-
-def gather_blocks(blocks: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """Rows [0, length) of one request's paged history: `blocks` is [num_blocks, block_size, w].
-
-    Copied block by block into a reused workspace: a fresh tensor per call would page-fault its
-    pages in on every step (measured on CPU: 26 ms instead of 4 ms for 32 MB).
-    """
-    w = blocks.shape[-1]
-    n = block_ids.numel() * blocks.shape[1] * w
-    # One workspace per inference-mode state: a buffer made under vLLM's inference_mode is an inference
-    # tensor, which a later no_grad caller (or vice versa) may not write in place.
-    key = (blocks.dtype, blocks.device, torch.is_inference_mode_enabled())
-    buf = _workspace.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _workspace[key] = torch.empty(n, dtype=blocks.dtype, device=blocks.device)
-    out = buf[:n].view(block_ids.numel(), blocks.shape[1], w)
-    torch.index_select(blocks, 0, block_ids, out=out)
-    return out.view(-1, w)[:length]
-
-
-def _absorbed_decode(
-    q: torch.Tensor,
-    gamma: torch.Tensor,
-    Wk: torch.Tensor,
-    Wv: torch.Tensor,
-    cache_blocks: torch.Tensor,
-    scale_blocks: torch.Tensor,
-    block_ids: torch.Tensor,
-    length: int,
-    scale: float,
-) -> torch.Tensor:
-    """One query q [H, hd] over the first `length` cached latents; K and V are never formed.
-
-    The history is read in tiles of about DECODE_TILE keys with an online softmax (running max
-    m, normaliser l, latent accumulator u), so each tile is used by both products while it is
-    still in cache (at 32k on one CPU thread: 30 vs 45 ms in isolation, 5% of the engine's step).
-    """
-    H, hd = q.shape
-    Hkv, _, r = Wk.shape
-    group, bs = H // Hkv, cache_blocks.shape[1]
-    qg = (q.float() * gamma.float()).view(Hkv, group, hd)
-    q_lat = torch.einsum("gjd,gdr->gjr", qg, Wk).reshape(H, r)  # W_k,g^T (gamma * q_h)
-    m = q_lat.new_full((H, 1), float("-inf"))
-    l = q_lat.new_zeros(H, 1)
-    u = q_lat.new_zeros(H, r)
-    per_tile = max(1, DECODE_TILE // bs)
-    for start in range(0, block_ids.numel(), per_tile):
-        ids = block_ids[start : start + per_tile]
-        n = min(length - start * bs, ids.numel() * bs)
-        c = gather_blocks(cache_blocks, ids, n).float()
-        key_scale = scale_blocks[ids].view(-1, Hkv)[:n].t() * scale  # [Hkv, n]
-        scores = ((q_lat @ c.t()).view(Hkv, group, n) * key_scale[:, None, :]).view(H, n)
-        m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
-        alpha, p = torch.exp(m - m_new), torch.exp(scores - m_new)
-        l = l * alpha + p.sum(-1, keepdim=True)
-        u = u * alpha + p @ c  # the weighted sum stays in latent space
-        m = m_new
-    u = (u / l).view(Hkv, group, r)
-    return torch.einsum("gjr,gdr->gjd", u, Wv).reshape(H, hd)
-
-
-def latent_decode_torch(
-    q: torch.Tensor,
-    gamma: torch.Tensor,
-    w_k: torch.Tensor,
-    w_v: torch.Tensor,
-    cache: torch.Tensor,
-    key_scales: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    block_size: int,
-) -> torch.Tensor:
-    """The op on the torch path: `latent_decode_reference`'s arguments and result, one sequence at a time in
-    DECODE_TILE-key tiles (w_k, w_v fp32)."""
-    B, H, hd = q.shape
-    Hkv, r = w_k.shape[0], w_k.shape[2]
-    cache_blocks, scale_blocks = cache.view(-1, block_size, r), key_scales.view(-1, block_size, Hkv)
-    out = torch.empty(B, H, hd, dtype=torch.float32, device=q.device)
-    for b in range(B):
-        L = int(seq_lens[b])
-        ids = block_table[b, : -(-L // block_size)].long()
-        out[b] = _absorbed_decode(q[b], gamma, w_k, w_v, cache_blocks, scale_blocks, ids, L, scale)
-    return out

@@ -4,7 +4,11 @@ Kernels do ``from vllm_trn_plugin.kernels.nki_shim import nki, nl, nisa`` and ar
 NKI syntax. ``USING_EMULATOR`` says which one was picked. ``simulate(kernel)`` is ``nki.simulate``
 with the real package (CPU simulator shipped in the wheel; documented, not runnable here) and the
 emulator's ``simulate`` otherwise: both take torch tensors and return torch tensors, and in-place
-writes to input HBM tensors land in the caller's tensors [SIM].
+writes to input HBM tensors land in the caller's tensors [SIM] (tags: the sources in docs/nki-0.6.md).
+
+Importing this module imports the emulator when the genuine package is missing: the dispatch imports it
+only when a kernel may run (``VLLM_TRN_KERNELS=emulate`` or ``nki``, or ``auto`` with tensors on a Neuron
+device).
 
 The PyPI name ``nki`` is an empty placeholder: a candidate counts as genuine only if it has
 ``jit``, ``simulate``, ``language.ndarray`` and ``isa.nc_matmul`` / ``isa.dma_copy``; any exception while
@@ -17,7 +21,8 @@ from types import ModuleType
 from typing import Any
 
 
-def _genuine_nki() -> tuple[ModuleType, ModuleType, ModuleType] | None:
+def genuine_nki() -> tuple[ModuleType, ModuleType, ModuleType] | None:
+    """(nki, nki.language, nki.isa) of the genuine NKI package, or None (not installed, or the placeholder)."""
     try:
         import nki as real_nki  # type: ignore[import-not-found]
         import nki.isa as real_isa  # type: ignore[import-not-found]
@@ -38,7 +43,7 @@ def _genuine_nki() -> tuple[ModuleType, ModuleType, ModuleType] | None:
         return None
 
 
-_real = _genuine_nki()
+_real = genuine_nki()
 USING_EMULATOR: bool = _real is None
 
 if _real is not None:

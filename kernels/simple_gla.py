@@ -20,10 +20,16 @@ sequential, over the chunk index, each step batched over the sequences that have
 (O(T) in all). Decay powers are formed as exp((i-j) log lambda) on the causal triangle only, never
 as lambda^i * lambda^-j (which overflows fp32 for lambda = 0.5 at i = 128).
 
-Tiling on Trainium: C = 128 matches the 128 SBUF partitions; a chunk's (C x C) score tile and
-its (d_k x d_v) state update are single TensorE matmuls (issue: NKI kernels).
+C = 128 matches Trainium's 128 SBUF partitions: a chunk's (C x C) score tile and its (d_k x d_v)
+state update are single TensorE matmuls.
 
 All math runs in fp32 whatever the activation dtype; outputs are cast back to q's dtype.
+
+Where each form lives: this module is the op's definition and its torch path at once.
+`simple_gla_decode_step` is the per-token recurrence above (the reference the NKI decode kernel,
+simple_gla_nki.py, is compared against) and what the model runs off device (`dispatch.gla_decode_step`
+picks it or the kernel); the chunked prefill has no kernel. The tests compare both against a float64
+per-token recurrence of their own and fla's naive GLA (tests/test_simple_gla.py).
 """
 
 from __future__ import annotations

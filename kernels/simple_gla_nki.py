@@ -1,4 +1,5 @@
-"""Simple GLA decode step (Laplace's mixer, one token per sequence) as an NKI 0.6 kernel for trn2.
+"""Simple GLA decode step (Laplace's mixer, one token per sequence) as an NKI 0.6 kernel for trn2: the kernel
+`gla_decode_kernel`, its host wrapper `gla_decode_nki` and its cost formula `gla_decode_cost`.
 
 Math, per sequence b of the batch and head h (lambda_h = exp(log_decay[h]), S_h in fp32)::
 
@@ -7,16 +8,16 @@ Math, per sequence b of the batch and head h (lambda_h = exp(log_decay[h]), S_h 
 
 The state of sequence b lives in `state_pool[slots[b]]`, read and written in place; slot -1 is
 a padding row: its state is neither read nor written and its output is zero. The definition of
-the op is `simple_gla_decode_step` (kernels/simple_gla.py, the model's torch path), re-exported
-here as `gla_decode_reference`; `gla_decode_nki` has the same signature plus `runner`.
+the op is `simple_gla_decode_step` (simple_gla.py, also the model's torch path);
+`gla_decode_nki` has the same signature plus `runner`.
 
 Kernel arguments (prepared by `gla_decode_nki`, no data copies): q, k [B, H, dk] and v [B, H, dv]
 as the model holds them (bf16 or fp32); aug [H, dk]; lam [H] fp32 = torch.exp(log_decay), the
 reference's own expression, so lambda is bit-identical (ScalarE's exp is a polynomial and would
 not be); the pool as rows [num_slots, E], E >= H*dk*dv, slot s's state at row s, elements
-[h*dk*dv + c*dv + e] (vLLM's layer pool is a strided view whose slot stride is the state page,
-the GLA state first, then the conv window -- seen with vLLM 0.32 -- so E = page size / 4 and the
-rows alias the pool, see `state_rows`); slots [B] int32; scale (compile-time float).
+[h*dk*dv + c*dv + e] (vLLM 0.32's layer pool is a strided view whose slot stride is the state page,
+the GLA state first, then the conv window, so E = page size / 4 and the rows alias the pool, see
+`state_rows`); slots [B] int32; scale (compile-time float).
 
 Tiling (H <= 128, dk <= 128, dv <= 512; Laplace: H = 16, dk = 96, dv = 192):
 - Per sequence the whole state sits in SBUF as S [dk, H, dv] fp32: dk on partitions, (head,
@@ -69,7 +70,7 @@ Numerics contract (all math fp32):
   "compute in fp32" say so) and that an fp32 PE product is correctly rounded for fp32 inputs.
 - o: q^T S and the gate's sum over dk are fp32 sums in another order than torch's (PSUM
   accumulation, VectorE reduction), so o agrees with the reference to fp32 roundoff (tests:
-  1e-6 of max|o|, measured 2.3e-7 at the Laplace shape), and bf16 outputs to within one bf16 ulp
+  1e-6 of max|o|), and bf16 outputs to within one bf16 ulp
   (a different fp32 value can round to the neighbouring bf16). Padding rows are +0.0 exactly.
   The emulator sums each matmul exactly and rounds once; hardware PE accumulation of fp32
   operands may round differently (UNCONFIRMED), which this tolerance may need to absorb.
@@ -85,9 +86,6 @@ from collections.abc import Callable
 import torch
 
 from vllm_trn_plugin.kernels.nki_shim import nisa, nki, nl
-from vllm_trn_plugin.kernels.simple_gla import simple_gla_decode_step
-
-gla_decode_reference = simple_gla_decode_step
 
 PMAX = 128  # SBUF/PSUM partitions; also the stationary free size limit of nc_matmul
 MOVING_FMAX = 512  # nc_matmul moving free size limit on trn2 (one PSUM bank of fp32)

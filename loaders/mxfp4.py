@@ -21,47 +21,47 @@ exponents, so the rule is the documented one).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
+
+from vllm_trn_plugin.loaders.io import CheckpointFormatError
 
 __all__ = [
     "BLOCK_SIZE",
     "CT_PACKED_SUFFIX",
     "CT_SCALE_SUFFIX",
     "E2M1_VALUES",
-    "FP8_MAX",
-    "GPT_OSS_BLOCKS_SUFFIX",
-    "GPT_OSS_SCALES_SUFFIX",
+    "E8M0_BIAS",
     "MAX_ROW_SPREAD",
-    "CheckpointFormatError",
     "ExpandedMatrix",
     "decode_mxfp4",
+    "exact_pow2",
     "expand_rows",
-    "from_gpt_oss",
+    "limit_spread",
+    "pack_codes",
+    "quantize_codes",
     "quantize_rtn",
+    "round_scaled",
+    "round_to_grid",
+    "rtn_exponents",
 ]
 
 BLOCK_SIZE = 32  # elements per E8M0 scale
 # compressed-tensors `mxfp4-pack-quantized`: <module>.weight_packed [out, in/2], <module>.weight_scale [out, in/32]
 CT_PACKED_SUFFIX = ".weight_packed"
 CT_SCALE_SUFFIX = ".weight_scale"
-# gpt-oss: <param>_blocks [..., out, in/32, 16], <param>_scales [..., out, in/32]
-GPT_OSS_BLOCKS_SUFFIX = "_blocks"
-GPT_OSS_SCALES_SUFFIX = "_scales"
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-FP8_MAX = 240.0  # Trainium2 E4M3 (IEEE-style, bias 7) largest finite value
-ROW_HEADROOM = 5  # s_row = 2^(e_max - 5): the largest element 6 * 2^5 = 192 stays <= FP8_MAX
+ROW_HEADROOM = 5  # s_row = 2^(e_max - 5): the largest element 6 * 2^5 = 192 stays <= 240 (kernels/fp8_expert.FP8_MAX)
 MAX_ROW_SPREAD = 13  # spread of nonzero block exponents that is exact whatever the codes
+E8M0_BIAS = 127  # scale byte = block exponent + 127
 _E8M0_NAN = 0xFF
-_E8M0_BIAS = 127
-_ZERO_ROW_EMAX = _E8M0_BIAS + ROW_HEADROOM  # an all-zero row gets s_row = 1
+_E_MIN, _E_MAX = -E8M0_BIAS, E8M0_BIAS  # block exponents of scale bytes 0..254
+_ZERO_BLOCK = -1000  # `rtn_exponents`' mark of an all-zero block, until `limit_spread` gives it its row's exponent
+_ZERO_ROW_EMAX = E8M0_BIAS + ROW_HEADROOM  # an all-zero row gets s_row = 1
 _ROWS_PER_CHUNK_ELEMS = 1 << 22  # rows per chunk x in: bounds the temporaries to ~100 MB
-
-
-class CheckpointFormatError(ValueError):
-    """A checkpoint tensor that cannot be loaded as declared (the message names file and tensor)."""
 
 
 @dataclass(frozen=True)
@@ -82,12 +82,6 @@ class ExpandedMatrix:
     @property
     def is_fp8(self) -> bool:
         return self.row_scale is not None
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The matrix in ``dtype`` (exact in float32: FP8 values times a power of two)."""
-        if self.row_scale is None:
-            return self.weight.to(dtype)
-        return (self.weight.to(torch.float32) * self.row_scale.unsqueeze(-1)).to(dtype)
 
 
 def _row_label(flat: int, lead: tuple[int, ...]) -> str:
@@ -147,8 +141,6 @@ def _pair_table(device: torch.device) -> torch.Tensor:
     """int16 [(MAX_ROW_SPREAD + 1) * 256]: entry d * 256 + b holds the FP8 bytes of byte b's two E2M1 codes at
     shift d, c * 2^(5 - d): the low code's byte first in memory (little-endian), as the elements are ordered."""
     if device not in _PAIR_TABLES:
-        import sys
-
         if sys.byteorder != "little":
             raise RuntimeError("the MXFP4 -> FP8 pair table assumes a little-endian host")
         lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float64)
@@ -195,7 +187,7 @@ def decode_mxfp4(packed: torch.Tensor, scales: torch.Tensor, *, file: str = "?",
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         # float64 keeps 2^(e - 127) normal for every byte (float32 would need subnormal scales)
-        scale = torch.exp2(scales2[r0:r1].to(torch.float64) - _E8M0_BIAS)
+        scale = torch.exp2(scales2[r0:r1].to(torch.float64) - E8M0_BIAS)
         vals = _unpack_values(codes2[r0:r1], torch.float64).view(r1 - r0, -1, BLOCK_SIZE) * scale.unsqueeze(-1)
         out[r0:r1] = vals.view(r1 - r0, n_in).to(torch.bfloat16)
     if bool(torch.isinf(out).any()):
@@ -258,18 +250,92 @@ def expand_rows(
         torch.index_select(_pair_table(codes.device), 0, idx, out=pairs[: idx.numel()])
         w_fp8[r0:r1] = pairs[: idx.numel()].view(torch.float8_e4m3fn).view(r1 - r0, n_in)
         row_exp[r0:r1] = e_max
-    row_scale = torch.exp2(row_exp.to(torch.float64) - (_E8M0_BIAS + ROW_HEADROOM)).to(torch.float32)
+    row_scale = torch.exp2(row_exp.to(torch.float64) - (E8M0_BIAS + ROW_HEADROOM)).to(torch.float32)
     return ExpandedMatrix(w_fp8.view(*lead, n_in), row_scale.view(lead))
+
+
+# ---------------------------------------------------------------- quantization: one rounding for RTN and GPTQ
+
+
+def rtn_exponents(w: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest block exponents of w [..., out, in] (in a multiple of 32): E = floor(log2(amax)) - 2, clamped
+    to [-127, 127], int16 [..., out, in/32]; an all-zero block is marked with -1000, below every exponent, until
+    `limit_spread` gives it its row's.
+
+    The block's largest value then lands in [4, 8) x 2^E: values over 6 x 2^E saturate (the OCP rule)."""
+    amax = w.reshape(*w.shape[:-1], -1, BLOCK_SIZE).abs().amax(-1)
+    _, ex = torch.frexp(amax)  # amax = m * 2^ex, m in [0.5, 1): floor(log2(amax)) = ex - 1, exact
+    e = (ex - 3).clamp(_E_MIN, _E_MAX).to(torch.int16)
+    return torch.where(amax > 0, e, _ZERO_BLOCK)
+
+
+def limit_spread(exp: torch.Tensor, max_spread: int | None = MAX_ROW_SPREAD) -> torch.Tensor:
+    """Final block exponents [..., out, in/32]: all-zero blocks (marked by `rtn_exponents`) take their row's largest
+    exponent (0 for an all-zero row), so that they add no spread even for readers that count every block; with
+    `max_spread`, every other block is raised to at least the row's largest minus `max_spread` (13: the row then
+    expands exactly to FP8)."""
+    zero = exp == _ZERO_BLOCK
+    top = torch.where(zero, _E_MIN - 1, exp).amax(-1, keepdim=True)
+    top = torch.where(top < _E_MIN, 0, top)
+    if max_spread is not None:
+        exp = exp.clamp(min=top - max_spread)
+    return torch.where(zero, top, exp).clamp(_E_MIN, _E_MAX)
+
+
+def exact_pow2(exp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2^exp for integer exp in [-127, 127], built from float32 bits (exact; 2^-127 is float32's subnormal 2^22 ulp)."""
+    e = exp.to(torch.int32)
+    bits = torch.where(e > -127, (e + 127) << 23, 1 << 22)
+    return bits.view(torch.float32).to(dtype)
+
+
+def _round_magnitude(a: torch.Tensor) -> torch.Tensor:
+    """|x| -> nearest E2M1 magnitude, ties to the even code, saturating at 6.
+
+    The grid's step is 0.5 below 2, 1 in [2, 4) and 2 from 4 on, and a value's code has the parity of its
+    multiple of the step (1.5 = 3 x 0.5 is code 3, 4 = 2 x 2 is code 6), so rounding a / step half to even is
+    rounding to the even code; the division by a power of two is exact.
+    """
+    step = (a >= 2).to(a.dtype).mul_(0.5).add_((a >= 4).to(a.dtype)).add_(0.5)  # 0.5, 1 or 2
+    return torch.round(a / step).mul_(step).clamp_(max=6.0)
+
+
+def round_scaled(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Nearest c * scale of each w (c an E2M1 value, ties to the even code; `scale` a power of two broadcast to w)."""
+    x = w / scale
+    return torch.copysign(_round_magnitude(x.abs()), x).mul_(scale)
+
+
+def round_to_grid(w: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
+    """Nearest MXFP4 value c * 2^exp of each w (exp broadcast to w's shape), in w's dtype."""
+    return round_scaled(w, exact_pow2(exp, w.dtype))
+
+
+def quantize_codes(w: torch.Tensor, exp: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
+    """E2M1 codes uint8 [..., out, in] (sign bit 3; a value that rounds to 0 is +0) of w [..., out, in] rounded to
+    the nearest MXFP4 value at block exponents exp [..., out, in/32]. With `exact` the values must be on that grid
+    already (GPTQ's output): a value the rounding moves raises ValueError."""
+    x = w / exact_pow2(exp.repeat_interleave(BLOCK_SIZE, -1), w.dtype)
+    a = x.abs()
+    v = _round_magnitude(a)
+    if exact and not torch.equal(v, a):
+        raise ValueError("quantize_codes: values are not on the MXFP4 grid of their exponents")
+    mag = torch.where(v < 2, v * 2, torch.where(v < 4, v + 2, v / 2 + 4)).to(torch.uint8)  # 0, 0.5, ..., 6 -> 0..7
+    return mag | (((x < 0) & (mag > 0)).to(torch.uint8) << 3)
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., in] -> bytes [..., in/2]: element 2j in the low nibble of byte j (compressed-tensors layout)."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def quantize_rtn(w: torch.Tensor, *, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
     """Round-to-nearest MXFP4 of a float matrix [..., out, in] (in a multiple of 32).
 
-    Per block of 32: E = clamp(floor(log2(amax)) - 2, -127, 127), x = w / 2^E, codes = x rounded to
-    the nearest E2M1 value (ties to the even code, |x| > 6 saturates to 6, a value that rounds to
-    0 is +0). Returns (packed uint8 [..., out, in/2], scales uint8 [..., out, in/32], byte E + 127).
-    An all-zero block gets its row's largest scale byte (127 if the whole row is 0), so it adds no
-    spread for readers that count every block.
+    Per block of 32: E from `rtn_exponents`, codes = w / 2^E rounded to the nearest E2M1 value (ties to the even
+    code, |x| > 6 saturates to 6, a value that rounds to 0 is +0); all-zero blocks take their row's largest
+    exponent (`limit_spread` without a spread limit). Returns (packed uint8 [..., out, in/2], scales uint8
+    [..., out, in/32], byte E + 127).
     """
     if not w.is_floating_point() or w.dtype.itemsize < 2 or w.dim() < 2:
         raise ValueError(
@@ -288,44 +354,8 @@ def quantize_rtn(w: torch.Tensor, *, name: str = "tensor") -> tuple[torch.Tensor
     calc = torch.float64 if w.dtype == torch.float64 else torch.float32  # exact for bf16/f16/f32 inputs
     step = max(1, _ROWS_PER_CHUNK_ELEMS // n_in)
     for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        x = w2[r0:r1].to(calc).view(r1 - r0, nb, BLOCK_SIZE)
-        amax = x.abs().amax(-1)
-        _, ex = torch.frexp(amax)  # amax = m * 2^ex, m in [0.5, 1): floor(log2(amax)) = ex - 1, exact
-        e = (ex - 1 - 2).clamp(-_E8M0_BIAS, _E8M0_BIAS)
-        nonzero = amax > 0
-        e_row = torch.where(nonzero, e, -_E8M0_BIAS - 1).amax(-1, keepdim=True)
-        e = torch.where(nonzero, e, torch.where(e_row < -_E8M0_BIAS, 0, e_row))
-        # x / 2^E as two exact power-of-two multiplies (2^-E alone may be out of float32's normal range)
-        half = (-e).div(2, rounding_mode="floor")
-        x = x * torch.exp2(half.to(calc)).unsqueeze(-1) * torch.exp2((-e - half).to(calc)).unsqueeze(-1)
-        a = x.abs()
-        # Midpoints of the E2M1 grid; at a tie the even code wins: down at 0.25, 1.25, 2.5, 5; up at 0.75, 1.75, 3.5.
-        mag = (a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5.0)
-        codes = mag | ((x < 0) & (mag > 0)).to(torch.uint8) << 3
-        codes = codes.view(r1 - r0, n_in)
-        packed[r0:r1] = codes[:, 0::2] | (codes[:, 1::2] << 4)
-        scales[r0:r1] = (e + _E8M0_BIAS).to(torch.uint8)
+        x = w2[r0 : r0 + step].to(calc)
+        exp = limit_spread(rtn_exponents(x), max_spread=None)
+        packed[r0 : r0 + step] = pack_codes(quantize_codes(x, exp))
+        scales[r0 : r0 + step] = (exp + E8M0_BIAS).to(torch.uint8)
     return packed.view(*lead, n_in // 2), scales.view(*lead, nb)
-
-
-def from_gpt_oss(
-    blocks: torch.Tensor, scales: torch.Tensor, *, file: str = "?", tensor: str = "?"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """gpt-oss layout -> compressed-tensors layout.
-
-    gpt-oss stores ``blocks`` uint8 [..., out, in/32, 16] (block g, byte b holds elements
-    32g + 2b (low nibble) and 32g + 2b + 1 (high nibble)) and ``scales`` uint8 [..., out, in/32];
-    flattening the last two dims gives byte j = 16g + b holding elements 2j and 2j + 1, i.e.
-    ``weight_packed`` [..., out, in/2]. Scales are identical.
-    """
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise CheckpointFormatError(
-            f"{file}: tensor {tensor}: gpt-oss blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}"
-        )
-    if blocks.dim() < 3 or blocks.shape[-1] != BLOCK_SIZE // 2 or blocks.shape[:-1] != scales.shape:
-        raise CheckpointFormatError(
-            f"{file}: tensor {tensor}: gpt-oss blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} must be "
-            "[..., out, in/32, 16] and [..., out, in/32]"
-        )
-    return blocks.reshape(*blocks.shape[:-2], -1), scales

@@ -11,38 +11,33 @@ conventions):
 - everything else as in the unpacked checkpoint.
 
 ``iter_checkpoint`` streams it back as ``(name, tensor)`` pairs in which every quantized matrix is
-one ``ExpandedMatrix`` under its unpacked name (``<m>.weight``; a gpt-oss ``<p>_blocks`` pair under
-``<p>``).
+one ``ExpandedMatrix`` under its unpacked name (``<m>.weight``). File access goes through ``loaders/io.py``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-import shutil
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from vllm_trn_plugin.loaders.mxfp4 import (
-    CT_PACKED_SUFFIX,
-    CT_SCALE_SUFFIX,
-    FP8_MAX,
-    GPT_OSS_BLOCKS_SUFFIX,
-    GPT_OSS_SCALES_SUFFIX,
+from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, FP8_MAX
+from vllm_trn_plugin.loaders.io import (
+    SHARD_BYTES,
+    Checkpoint,
     CheckpointFormatError,
-    ExpandedMatrix,
-    expand_rows,
-    from_gpt_oss,
-    quantize_rtn,
+    ShardWriter,
+    TensorEntry,
+    TensorReader,
+    copy_side_files,
+    prepare_destination,
+    scan_dir,
+    write_config,
 )
+from vllm_trn_plugin.loaders.mxfp4 import CT_PACKED_SUFFIX, CT_SCALE_SUFFIX, ExpandedMatrix, expand_rows, quantize_rtn
 
 __all__ = [
     "DEFAULT_MATRIX_PATTERN",
@@ -51,12 +46,13 @@ __all__ = [
     "PackReport",
     "StoredWeight",
     "declares_packed",
-    "is_packed_checkpoint",
     "iter_checkpoint",
     "pack",
     "quantization_config",
     "quantize_fp8_rows",
     "stored_weights",
+    "write_fp8_lm_head",
+    "write_mxfp4",
 ]
 
 logger = logging.getLogger(__name__)
@@ -66,76 +62,34 @@ LM_HEAD = "lm_head"
 # Module names (tensor name without ".weight") of the MLP/expert matrices: AFMoE/Trinity dense MLPs,
 # routed experts and shared experts, and Laplace's GLU FFN (W1 = gate_proj, W2 = up_proj, W3 = down_proj).
 DEFAULT_MATRIX_PATTERN = r"model\.layers\.\d+\.mlp\.(?:experts\.\d+\.|shared_experts\.)?(?:gate_proj|up_proj|down_proj)"
-SHARD_BYTES = 1 << 30
 _BIAS_DTYPE = torch.bfloat16
 _UNSUPPORTED_SUFFIXES = (".weight_zero_point", ".weight_global_scale")
 _ROWS_PER_CHUNK_ELEMS = 1 << 24
-_FP8_MAX_BITS = 0x77  # float8_e4m3fn bits of 240
-
-# compressed-tensors QuantizationArgs as its own model_dump writes them (version 0.17).
-_MXFP4_WEIGHTS = {
-    "num_bits": 4,
-    "type": "float",
-    "symmetric": True,
-    "group_size": 32,
-    "strategy": "group",
-    "block_structure": None,
-    "dynamic": False,
-    "actorder": None,
-    "scale_dtype": "torch.uint8",
-    "zp_dtype": None,
-    "observer": "memoryless_minmax",
-    "observer_kwargs": {},
-}
-_FP8_CHANNEL_WEIGHTS = {
-    "num_bits": 8,
-    "type": "float",
-    "symmetric": True,
-    "group_size": None,
-    "strategy": "channel",
-    "block_structure": None,
-    "dynamic": False,
-    "actorder": None,
-    "scale_dtype": None,
-    "zp_dtype": None,
-    "observer": "memoryless_minmax",
-    "observer_kwargs": {},
-}
+_FP8_MAX_BITS = int(torch.tensor(FP8_MAX, dtype=FP8_DTYPE).view(torch.uint8))  # 0x77: magnitude bits of 240
 
 
 def quantization_config(targets: list[str], *, fp8_lm_head: bool) -> dict:
-    """config.json ``quantization_config`` of a packed checkpoint (compressed-tensors schema).
+    """config.json ``quantization_config`` of a packed checkpoint, as compressed-tensors' own models dump it.
 
-    ``targets``: compressed-tensors targets of the MXFP4 matrices (module names or ``re:`` regexes).
-    With the FP8 LM head the format is ``mixed-precision`` with one format per group, as
-    compressed-tensors writes models that mix formats.
+    ``targets``: compressed-tensors targets of the MXFP4 matrices (module names or ``re:`` regexes). With the FP8
+    LM head the format is ``mixed-precision`` with one format per group, as compressed-tensors writes models that
+    mix formats.
     """
-    groups: dict[str, dict] = {
-        "group_0": {
-            "targets": list(targets),
-            "weights": dict(_MXFP4_WEIGHTS),
-            "input_activations": None,
-            "output_activations": None,
-            "format": PACKED_FORMAT,
-        }
-    }
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    mxfp4 = QuantizationArgs(
+        num_bits=4, type="float", symmetric=True, group_size=32, strategy="group", scale_dtype=torch.uint8
+    )
+    groups = {"group_0": QuantizationScheme(targets=list(targets), weights=mxfp4, format=PACKED_FORMAT)}
     if fp8_lm_head:
-        groups["group_1"] = {
-            "targets": [LM_HEAD],
-            "weights": dict(_FP8_CHANNEL_WEIGHTS),
-            "input_activations": None,
-            "output_activations": None,
-            "format": "float-quantized",
-        }
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "mixed-precision" if fp8_lm_head else PACKED_FORMAT,
-        "quantization_status": "compressed",
-        "config_groups": groups,
-        "ignore": [],
-        "kv_cache_scheme": None,
-        "global_compression_ratio": None,
-    }
+        fp8_rows = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+        groups["group_1"] = QuantizationScheme(targets=[LM_HEAD], weights=fp8_rows, format="float-quantized")
+    config = QuantizationConfig(
+        config_groups=groups,
+        format="mixed-precision" if fp8_lm_head else PACKED_FORMAT,
+        quantization_status="compressed",
+    )
+    return config.model_dump(mode="json")
 
 
 def declares_packed(qc: dict) -> bool:
@@ -144,85 +98,6 @@ def declares_packed(qc: dict) -> bool:
         return False
     formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()}
     return PACKED_FORMAT in formats
-
-
-def is_packed_checkpoint(path_dir: str | Path) -> bool:
-    """True if config.json declares MXFP4 groups in ``quantization_config``."""
-    cfg = Path(path_dir) / "config.json"
-    return cfg.is_file() and declares_packed(json.loads(cfg.read_text()).get("quantization_config") or {})
-
-
-@dataclass(frozen=True)
-class _Entry:
-    file: Path
-    dtype: str  # safetensors dtype string
-    shape: tuple[int, ...]
-    begin: int
-
-
-def _scan(path: Path) -> dict[str, _Entry]:
-    """A safetensors file's header, checked against the file size so that truncation names the first cut tensor."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 2 or 8 + n > size:
-            raise CheckpointFormatError(
-                f"{path}: not a complete safetensors file (header cut off; file is {size} bytes)"
-            )
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise CheckpointFormatError(f"{path}: corrupt safetensors header: {e}") from e
-    if not isinstance(header, dict):
-        raise CheckpointFormatError(f"{path}: corrupt safetensors header")
-    data = size - 8 - n
-    entries: dict[str, _Entry] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = (int(x) for x in info["data_offsets"])
-            entry = _Entry(path, str(info["dtype"]), tuple(int(d) for d in info["shape"]), begin)
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointFormatError(f"{path}: tensor {name}: corrupt safetensors header entry ({e})") from e
-        if end > data:
-            raise CheckpointFormatError(
-                f"{path}: tensor {name}: file truncated (tensor needs data bytes {begin}..{end}, file holds {data})"
-            )
-        entries[name] = entry
-    # Order by offset so that reading in this order walks the file front to back.
-    return dict(sorted(entries.items(), key=lambda kv: kv[1].begin))
-
-
-def _scan_dir(root: Path) -> dict[str, _Entry]:
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise CheckpointFormatError(f"{root}: no *.safetensors files")
-    entries: dict[str, _Entry] = {}
-    for path in files:
-        for name, entry in _scan(path).items():
-            if name in entries:
-                raise CheckpointFormatError(f"{path}: tensor {name}: also in {entries[name].file}")
-            entries[name] = entry
-    return entries
-
-
-class _Reader:
-    """One open safe_open handle per file; each tensor is read only when asked for."""
-
-    def __init__(self, stack: ExitStack) -> None:
-        self._stack = stack
-        self._handles: dict[Path, Any] = {}
-
-    def get(self, name: str, entry: _Entry) -> torch.Tensor:
-        try:
-            handle = self._handles.get(entry.file)
-            if handle is None:
-                handle = self._handles[entry.file] = self._stack.enter_context(safe_open(str(entry.file), "pt"))
-            return handle.get_tensor(name)
-        except SafetensorError as e:
-            raise CheckpointFormatError(f"{entry.file}: tensor {name}: cannot read: {e}") from e
 
 
 def _fp8_matrix(weight: torch.Tensor, scale: torch.Tensor, file: Path, name: str, scale_name: str) -> ExpandedMatrix:
@@ -248,7 +123,7 @@ def _fp8_matrix(weight: torch.Tensor, scale: torch.Tensor, file: Path, name: str
     return ExpandedMatrix(weight, scale)
 
 
-def _role(name: str, entry: _Entry) -> tuple[str, str, str] | None:
+def _role(name: str, entry: TensorEntry) -> tuple[str, str, str] | None:
     """(kind, yielded name, partner tensor) for a member of a quantized pair, None for a plain tensor."""
     if name.endswith(CT_PACKED_SUFFIX):
         base = name[: -len(CT_PACKED_SUFFIX)]
@@ -257,19 +132,14 @@ def _role(name: str, entry: _Entry) -> tuple[str, str, str] | None:
         return "fp8", name, name[: -len(".weight")] + CT_SCALE_SUFFIX
     if name.endswith(CT_SCALE_SUFFIX):
         return "scale", "", name[: -len(CT_SCALE_SUFFIX)] + CT_PACKED_SUFFIX
-    if entry.dtype == "U8" and name.endswith(GPT_OSS_BLOCKS_SUFFIX):
-        base = name[: -len(GPT_OSS_BLOCKS_SUFFIX)]
-        return "gpt-oss", base, base + GPT_OSS_SCALES_SUFFIX
-    if entry.dtype == "U8" and name.endswith(GPT_OSS_SCALES_SUFFIX):
-        return "scale", "", name[: -len(GPT_OSS_SCALES_SUFFIX)] + GPT_OSS_BLOCKS_SUFFIX
     return None
 
 
-_KIND_TEXT = {"mxfp4": "MXFP4 codes", "gpt-oss": "MXFP4 blocks", "fp8": "FP8 weight"}
+_KIND_TEXT = {"mxfp4": "MXFP4 codes", "fp8": "FP8 weight"}
 
 
 def _check_pair(
-    name: str, entry: _Entry, roles: dict[str, tuple[str, str, str] | None], entries: dict[str, _Entry]
+    name: str, entry: TensorEntry, roles: dict[str, tuple[str, str, str] | None], entries: dict[str, TensorEntry]
 ) -> None:
     where = f"{entry.file}: tensor {name}"
     if name.endswith(_UNSUPPORTED_SUFFIXES):
@@ -291,9 +161,9 @@ def _check_pair(
         raise CheckpointFormatError(f"{where}: checkpoint also holds the unpacked {out}")
 
 
-def _checked_headers(root: Path) -> tuple[dict[str, _Entry], dict[str, tuple[str, str, str] | None]]:
+def _checked_headers(root: Path) -> tuple[dict[str, TensorEntry], dict[str, tuple[str, str, str] | None]]:
     """Every tensor's header entry and role; a broken pair fails here, before anything is read."""
-    entries = _scan_dir(root)
+    entries = scan_dir(root)
     roles = {name: _role(name, entry) for name, entry in entries.items()}
     for name, entry in entries.items():
         _check_pair(name, entry, roles, entries)
@@ -312,7 +182,7 @@ class StoredWeight:
 
 def stored_weights(path_dir: str | Path) -> dict[str, StoredWeight]:
     """Every module's weight in a checkpoint directory by module name (``<m>`` of ``<m>.weight`` or
-    ``<m>.weight_packed``; a gpt-oss ``<p>_blocks`` pair under ``<p>``), from the safetensors headers alone."""
+    ``<m>.weight_packed``), from the safetensors headers alone."""
     entries, roles = _checked_headers(Path(path_dir))
     out: dict[str, StoredWeight] = {}
     for name, e in entries.items():
@@ -332,11 +202,11 @@ def iter_checkpoint(
 
     Yields ``(name, tensor)`` for plain tensors and ``(name, ExpandedMatrix)`` for quantized ones:
     ``<m>.weight_packed`` + ``<m>.weight_scale`` -> ``<m>.weight`` (exact FP8 + per-row scale, see
-    ``expand_rows``); gpt-oss ``<p>_blocks`` + ``<p>_scales`` -> ``<p>`` (leading dims kept);
-    FP8 ``<m>.weight`` + ``<m>.weight_scale`` (LM head) -> ``<m>.weight``; when no MXFP4 matrix has a
-    ``<m>.bias`` (compressed-tensors' files), a zero bf16 one follows each. Peak extra memory is about
-    one expanded matrix. Headers are all checked before the first tensor is yielded, so a missing
-    partner, a duplicate or a truncated file fails early; every error names the file and tensor.
+    ``expand_rows``; leading dims, e.g. stacked experts, kept); FP8 ``<m>.weight`` + ``<m>.weight_scale``
+    (LM head) -> ``<m>.weight``; when no MXFP4 matrix has a ``<m>.bias`` (compressed-tensors' files), a zero
+    bf16 one follows each. Peak extra memory is about one expanded matrix. Headers are all checked before the
+    first tensor is yielded, so a missing partner, a duplicate or a truncated file fails early; every error
+    names the file and tensor.
     With ``allow_bf16`` a matrix that cannot be exact in FP8 comes back as bf16 (``note`` set, also
     logged as a warning); the caller must report it. Names (as yielded) for which ``skip`` is true are neither
     read nor expanded (another rank's experts).
@@ -354,8 +224,7 @@ def iter_checkpoint(
             f"while {len(codes) - len(unbiased)} other MXFP4 matrices have one"
         )
 
-    with ExitStack() as stack:
-        reader = _Reader(stack)
+    with TensorReader() as reader:
 
         def get(name: str) -> torch.Tensor:
             return reader.get(name, entries[name])
@@ -373,10 +242,7 @@ def iter_checkpoint(
             if kind == "fp8":
                 m = _fp8_matrix(get(name), get(partner), entry.file, name, partner)
             else:
-                packed, scales = get(name), get(partner)
-                if kind == "gpt-oss":
-                    packed, scales = from_gpt_oss(packed, scales, file=str(entry.file), tensor=name)
-                m = expand_rows(packed, scales, file=str(entry.file), tensor=name, allow_bf16=allow_bf16)
+                m = expand_rows(get(name), get(partner), file=str(entry.file), tensor=name, allow_bf16=allow_bf16)
             if m.note:
                 logger.warning(m.note)
             yield out, m
@@ -414,6 +280,28 @@ def quantize_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(w.shape), s.view(lead)
 
 
+def write_mxfp4(
+    writer: ShardWriter, module: str, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """Module `module`'s MXFP4 matrix under the packed format's names: codes, E8M0 scales and (unless None) its
+    bias-correction vector in bf16."""
+    writer.add(module + CT_PACKED_SUFFIX, packed)
+    writer.add(module + CT_SCALE_SUFFIX, scales)
+    if bias is not None:
+        writer.add(module + ".bias", bias.to(_BIAS_DTYPE))
+
+
+def write_fp8_lm_head(writer: ShardWriter, weight: torch.Tensor, where: str) -> None:
+    """The LM head as per-row FP8 (`quantize_fp8_rows`) and its [vocab, 1] scales; `where` (file and tensor)
+    prefixes the error for a weight that cannot be quantized."""
+    try:
+        q, s = quantize_fp8_rows(weight)
+    except ValueError as e:
+        raise CheckpointFormatError(f"{where}: {e}") from e
+    writer.add(LM_HEAD + ".weight", q)
+    writer.add(LM_HEAD + CT_SCALE_SUFFIX, s.unsqueeze(-1))
+
+
 @dataclass
 class PackReport:
     """What ``pack`` wrote."""
@@ -427,45 +315,6 @@ class PackReport:
     bytes_written: int = 0
     quantization_config: dict = field(default_factory=dict)
     note: str = "RTN: no calibration data, so every bias-correction vector is zero"
-
-
-class _ShardWriter:
-    """Collects tensors into shards of at most ~max_bytes (one tensor may exceed it) and writes each when full."""
-
-    def __init__(self, dst: Path, max_bytes: int) -> None:
-        self.dst, self.max_bytes = dst, max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.size = 0
-        self.done: list[tuple[Path, list[str]]] = []
-        self.total = 0
-
-    def add(self, name: str, t: torch.Tensor) -> None:
-        n = t.numel() * t.element_size()
-        if self.pending and self.size + n > self.max_bytes:
-            self._flush()
-        self.pending[name] = t.contiguous()
-        self.size += n
-        self.total += n
-
-    def _flush(self) -> None:
-        path = self.dst / f".packing-{len(self.done):05d}.safetensors.tmp"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
-        self.done.append((path, list(self.pending)))
-        self.pending, self.size = {}, 0
-
-    def finish(self) -> list[str]:
-        if self.pending or not self.done:
-            self._flush()
-        n = len(self.done)
-        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        weight_map: dict[str, str] = {}
-        for (tmp, tensors), final in zip(self.done, names):
-            tmp.rename(self.dst / final)
-            weight_map.update(dict.fromkeys(tensors, final))
-        if n > 1:
-            index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
-            (self.dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        return names
 
 
 def _selector(matrices: str | re.Pattern[str] | Callable[[str], bool]) -> tuple[Callable[[str], bool], str | None]:
@@ -497,64 +346,45 @@ def pack(
     peaks at about one shard plus one source tensor.
     """
     src, dst = Path(src_dir), Path(dst_dir)
-    if dst.exists() and dst.resolve() == src.resolve():
-        raise ValueError(f"pack: destination {dst} is the source directory")
-    cfg_path = src / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"pack: {cfg_path} not found (the packed format is declared in config.json)")
-    config = json.loads(cfg_path.read_text())
-    if config.get("quantization_config"):
-        raise ValueError(f"pack: {cfg_path} already has a quantization_config; pack needs an unquantized checkpoint")
     select, target = _selector(matrices)
-    entries = _scan_dir(src)
-    if not any(select(n[: -len(".weight")]) for n in entries if n.endswith(".weight")):
-        raise ValueError(f"pack: no tensor of {src} matched the matrix selection")
-    dst.mkdir(parents=True, exist_ok=True)
-    if any(dst.glob("*.safetensors")) or (dst / "config.json").exists():
-        raise FileExistsError(f"pack: {dst} already holds a checkpoint")
     report = PackReport(dst=dst)
-    writer = _ShardWriter(dst, shard_bytes)
-    with ExitStack() as stack:
-        reader = _Reader(stack)
-        for name, entry in entries.items():
-            t = reader.get(name, entry)
-            module = name[: -len(".weight")] if name.endswith(".weight") else None
+    with Checkpoint(src) as ckpt:
+        if ckpt.config.get("quantization_config"):
+            raise ValueError(
+                f"pack: {ckpt.config_path} already has a quantization_config; pack needs an unquantized checkpoint"
+            )
+        if not any(select(n.removesuffix(".weight")) for n in ckpt.entries if n.endswith(".weight")):
+            raise ValueError(f"pack: no tensor of {src} matched the matrix selection")
+        prepare_destination(src, dst)
+        writer = ShardWriter(dst, shard_bytes)
+        for name in ckpt.entries:
+            t = ckpt.get(name)
+            module = name.removesuffix(".weight") if name.endswith(".weight") else None
             if module is not None and select(module):
                 if t.dim() != 2 or t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
                     raise CheckpointFormatError(
-                        f"{entry.file}: tensor {name}: selected for MXFP4 but is {t.dtype} {tuple(t.shape)}, "
+                        f"{ckpt.where(name)}: selected for MXFP4 but is {t.dtype} {tuple(t.shape)}, "
                         "not a bf16/fp16/fp32 matrix"
                     )
                 try:
                     packed, scales = quantize_rtn(t, name=name)
                 except ValueError as e:
-                    raise CheckpointFormatError(f"{entry.file}: tensor {name}: {e}") from e
-                writer.add(module + CT_PACKED_SUFFIX, packed)
-                writer.add(module + CT_SCALE_SUFFIX, scales)
-                if module + ".bias" not in entries:
-                    writer.add(module + ".bias", torch.zeros(t.shape[0], dtype=_BIAS_DTYPE))
+                    raise CheckpointFormatError(f"{ckpt.where(name)}: {e}") from e
+                kept = module + ".bias" in ckpt.entries  # written when its turn comes
+                write_mxfp4(writer, module, packed, scales, None if kept else torch.zeros(t.shape[0]))
                 report.quantized.append(module)
             elif lm_head and name == LM_HEAD + ".weight":
-                try:
-                    q, s = quantize_fp8_rows(t)
-                except ValueError as e:
-                    raise CheckpointFormatError(f"{entry.file}: tensor {name}: {e}") from e
-                writer.add(name, q)
-                writer.add(LM_HEAD + CT_SCALE_SUFFIX, s.unsqueeze(-1))
+                write_fp8_lm_head(writer, t, ckpt.where(name))
                 report.fp8.append(LM_HEAD)
             else:
                 writer.add(name, t)
                 report.copied.append(name)
             del t
-    report.shards = writer.finish()
+        report.shards = writer.finish()
     report.bytes_written = writer.total
     report.quantization_config = quantization_config(
         [target] if target is not None else sorted(report.quantized), fp8_lm_head=bool(report.fp8)
     )
-    config["quantization_config"] = report.quantization_config
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for p in sorted(src.iterdir()):
-        if p.is_file() and p.suffix != ".safetensors" and p.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy2(p, dst / p.name)
-            report.files.append(p.name)
+    write_config(dst, {**ckpt.config, "quantization_config": report.quantization_config})
+    report.files = copy_side_files(src, dst)
     return report

@@ -1,6 +1,6 @@
 """Laplace 3B (i14): an attention-free decoder whose every layer is a Simple GLA mixer.
 
-Spec: shared/spec/models.md §2 and §3. One layer, input x (D)::
+Spec: docs/models.md §2 and §3. One layer, input x (D)::
 
     h = SiLU(causal_conv1d(LayerNorm(x)))                 width conv_size, depthwise
     q, k, v, g = W_qkvg h                                 q, k [H, d_k]; v, g [H, d_v]

@@ -42,7 +42,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
 
 from vllm_trn_plugin.kernels import dispatch
-from vllm_trn_plugin.kernels.latent_decode_nki import gather_blocks
+from vllm_trn_plugin.kernels.latent_decode import AbsorbedWeights, PagedLatents, gather_blocks
 
 # Under vLLM's logger tree: vLLM configures only that one, so an INFO line elsewhere is dropped.
 logger = init_logger(f"vllm.{__name__}")
@@ -276,15 +276,8 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         if nd:
             decoded = dispatch.latent_decode(
                 q[:nd],
-                self.k_norm.weight,
-                Wk,
-                Wv,
-                cache,
-                scales,
-                meta.block_table[:nd],
-                seq_lens[:nd],
-                self.scaling,
-                bs,
+                AbsorbedWeights(self.k_norm.weight, Wk, Wv, self.scaling),
+                PagedLatents(cache, scales, meta.block_table[:nd], seq_lens[:nd], bs),
             )
             out[:nd] = decoded.to(out.dtype)
         scale_blocks = scales.view(-1, bs, self.num_kv_heads)

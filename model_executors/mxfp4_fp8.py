@@ -45,7 +45,8 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm_trn_plugin.envs import ALLOW_BF16, allow_bf16
 from vllm_trn_plugin.kernels import dispatch
 from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, row_linear
-from vllm_trn_plugin.loaders.mxfp4 import CheckpointFormatError, ExpandedMatrix
+from vllm_trn_plugin.loaders.io import CheckpointFormatError
+from vllm_trn_plugin.loaders.mxfp4 import ExpandedMatrix
 from vllm_trn_plugin.loaders.packed import iter_checkpoint
 from vllm_trn_plugin.model_executors.mxfp4_fp8_config import QUANT_NAME
 

@@ -25,7 +25,7 @@ import torch
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
-from vllm_trn_plugin.loaders.mxfp4 import CheckpointFormatError
+from vllm_trn_plugin.loaders.io import CheckpointFormatError
 from vllm_trn_plugin.loaders.packed import (
     DEFAULT_MATRIX_PATTERN,
     LM_HEAD,
@@ -69,18 +69,28 @@ class TrnMxfp4Fp8Config(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> TrnMxfp4Fp8Config:
+        """The MXFP4 targets, whether the LM head is FP8, and the ignore list, from the declaration as vLLM's own
+        compressed-tensors method parses it (each group's weights validated as compressed-tensors' QuantizationArgs);
+        any other scheme is refused, naming its target."""
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+            CompressedTensorsConfig,
+        )
+
+        parsed = CompressedTensorsConfig.from_config(config)
         mxfp4, head = [], False
-        for name, group in (config.get("config_groups") or {}).items():
-            fmt = group.get("format") or config.get("format")
-            if fmt == PACKED_FORMAT:
-                mxfp4 += group.get("targets") or []
-            elif fmt == "float-quantized" and LM_HEAD in (group.get("targets") or []):
+        for target, scheme in parsed.target_scheme_map.items():
+            fmt, w = scheme.get("format") or config.get("format"), scheme["weights"]
+            is_mxfp4 = fmt == PACKED_FORMAT and (w.num_bits, w.type, w.group_size) == (4, "float", 32)
+            if is_mxfp4:
+                mxfp4.append(target)
+            elif fmt == "float-quantized" and target == LM_HEAD and (w.num_bits, w.strategy) == (8, "channel"):
                 head = True
             else:
                 raise ValueError(
-                    f"quantization_config.config_groups.{name}: format {fmt!r} is not served by {QUANT_NAME}"
+                    f"quantization_config: target {target!r} (format {fmt!r}, {w.num_bits}-bit weights): not served "
+                    f"by {QUANT_NAME}, which serves MXFP4 matrices and a per-row FP8 {LM_HEAD}"
                 )
-        return cls(mxfp4, head, config.get("ignore") or [])
+        return cls(mxfp4, head, list(parsed.ignore or []))
 
     @classmethod
     def override_quantization_method(

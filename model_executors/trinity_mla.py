@@ -1,6 +1,6 @@
 """MLA-Trinity: Arcee Trinity-Mini (AFMoE) with a latent cache on its global-attention layers.
 
-Spec: shared/spec/models.md §1 and §3. Everything but the global layers' attention is vLLM's own
+Spec: docs/models.md §1 and §3. Everything but the global layers' attention is vLLM's own
 AFMoE (sandwich norms, muP embedding scale, per-head q/k RMSNorm, RoPE + sliding window on the
 sliding layers, sigmoid output gate, dense first layers, sigmoid-routed MoE with `expert_bias`
 for selection only, renormalised weights x route_scale, unscaled shared expert). On layers whose

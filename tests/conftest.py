@@ -1,26 +1,23 @@
 """Session-wide checkpoints, references and the one vLLM engine / server the tests share.
 
-vLLM takes 30-60 s to start on these machines, so every test that needs an engine uses the
+vLLM takes 30-60 s to start on these machines, so every test that needs the Laplace engine uses the
 session's single `laplace_llm` (float32, compiled mode, small state pool, small token budget so
-long prompts are prefilled in chunks) and every HTTP test the single `laplace_server`.
+long prompts are prefilled in chunks) and every HTTP test one `vllm-trn serve` per demo model and dtype
+(`servers`). Shared helpers live in tests/helpers.py.
 """
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import requests
 import torch
 
 from tests.helpers import MAX_NUM_SEQS, POOL_SLOTS, PROBE_TOKENS, PROBES, TOKEN_BUDGET, greedy_params, token_prompts
 from tests.references.laplace import LaplaceReference
+from vllm_trn_plugin.bench.local import LocalServer, serve_new_demo
 
 
 @pytest.fixture(scope="session")
@@ -75,18 +72,15 @@ def laplace_llm(laplace_ckpt: Path) -> Engine:
     del llm
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Server:
     url: str
-    model: str
+    model: str  # the served model name: what clients send
     proc: subprocess.Popen
     log: Path
+    checkpoint: Path
+    shutdown_timeout: int  # --shutdown-timeout: how long a SIGTERM lets requests in flight finish
+    local: LocalServer  # the process group, for stopping it
 
 
 class _Servers:
@@ -97,49 +91,31 @@ class _Servers:
 
     def get(self, model: str, dtype: str = "bfloat16") -> Server:
         if (model, dtype) not in self.running:
-            self.running[model, dtype] = _start_server(self.root / f"{model}-{dtype}", model, dtype)
+            self.running[model, dtype] = _start_server(self.root, model, dtype)
         return self.running[model, dtype]
 
     def stop(self) -> None:
         for s in self.running.values():
-            s.proc.terminate()
-            try:
-                s.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                s.proc.kill()
+            s.local.stop()
 
 
 def _start_server(root: Path, model: str, dtype: str) -> Server:
-    """The demo checkpoint in `dtype` (bf16: as `make serve` serves it), eager mode (the engine tests cover compiled
-    mode)."""
-    root.mkdir(parents=True)
-    ckpt = root / f"demo-{model}"
-    vllm_trn = str(Path(sys.executable).parent / "vllm-trn")  # the installed console command
-    subprocess.run([vllm_trn, "demo", model, str(ckpt), "--dtype", dtype], check=True)
-    port = _free_port()
-    log = root / "server.log"
-    cmd = [vllm_trn, "serve", str(ckpt), "--port", str(port)]
-    # --dtype explicitly: vLLM serves a float32 checkpoint in bf16 unless told otherwise.
-    cmd += ["--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "4096", "--dtype", dtype]
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"vllm-trn serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                if f"dtype=torch.{dtype}," not in log.read_text():  # the engine's config line
-                    proc.kill()
-                    pytest.fail(f"vllm-trn serve of {ckpt} does not run in {dtype}: see {log}")
-                return Server(url, str(ckpt), proc, log)
-        except requests.ConnectionError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"vllm-trn serve did not become healthy in 600 s:\n{log.read_text()[-4000:]}")
-        time.sleep(1)
+    """The demo checkpoint in `dtype` (bf16: as `make serve` serves it; --dtype explicitly, checked in the engine's
+    config line), eager mode (the engine tests cover compiled mode); a server that exits, is not healthy within
+    600 s or does not run in `dtype` raises with its log's tail."""
+    # As the trn2 recipes serve: under a name of its own, tool calls in the chat template's Hermes format, and a
+    # SIGTERM drains the requests in flight (up to the timeout) before the server exits.
+    name, shutdown_timeout = f"demo-{model}", 300
+    extra = ["--max-model-len", "4096", "--served-model-name", name, "--enable-auto-tool-choice"]
+    extra += ["--tool-call-parser", "hermes", "--shutdown-timeout", str(shutdown_timeout)]
+    local = serve_new_demo(model, root, dtype, extra=extra).wait_healthy(600)
+    return Server(local.url, local.model, local.proc, local.log, local.checkpoint, shutdown_timeout, local)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering (by fixture parameter), which would undo this
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that stop a session server run last (in their order), so that every other test still has it."""
+    items.sort(key=lambda item: item.get_closest_marker("stops_server") is not None)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_trn_plugin.bench.ties import compare_greedy
+
 POOL_SLOTS = 40  # state pages in the session engine's pool
 MAX_NUM_SEQS = 64  # more than the pool holds: admission is limited by free pages
 TOKEN_BUDGET = 256  # max_num_batched_tokens: prompts longer than this are prefilled in chunks
@@ -87,6 +89,112 @@ def token_prompts(prompts: list[list[int]]) -> list[dict]:
     return [{"prompt_token_ids": p} for p in prompts]
 
 
+def chosen_steps(out) -> tuple[list[int], list[float], list[float]]:  # noqa: ANN001
+    """From a vLLM RequestOutput sampled with logprobs: the chosen tokens, each one's logprob (a raw logit under
+    logprobs_mode="raw_logits"), and each step's top-1 minus top-2 margin (inf with one candidate)."""
+    c = out.outputs[0]
+    values, margins = [], []
+    for tok, top in zip(c.token_ids, c.logprobs):
+        values.append(top[tok].logprob)
+        ranked = sorted((x.logprob for x in top.values()), reverse=True)
+        margins.append(ranked[0] - ranked[1] if len(ranked) > 1 else math.inf)
+    return list(c.token_ids), values, margins
+
+
+def check_batched_against_alone(
+    what: str, tokens: list[int], values: list[float], alone: tuple[list[int], list[float], list[float]], tol: float
+) -> None:
+    """A prompt's greedy run inside a batch against its run alone (tokens, per-step values, top-2 margins): the
+    tokens equal up to where they part at a near-tie (the tie rule, bench.ties), and each step's value (logprob or
+    logit of the chosen token) within `tol` before that."""
+    a_tokens, a_values, a_margins = alone
+    agreement = compare_greedy(tokens, a_tokens, a_margins)
+    assert agreement.ok, f"{what}: step {agreement.step} differs from its run alone, not at a near-tie"
+    n = len(tokens) if agreement.step is None else agreement.step
+    err = max((abs(x - y) for x, y in zip(values[:n], a_values[:n])), default=0.0)
+    assert err <= tol, f"{what}: value differs by {err:.2e} from its run alone"
+
+
 # Probes run first on the fresh engine, and again after the other tests have reused every slot.
 PROBES = random_prompts(3, [9, 200, 300], seed=99)
 PROBE_TOKENS = 12
+
+
+def raw_logits_llm(model: str | Path, vocab: int, **overrides: object):  # noqa: ANN201
+    """A float32 vLLM engine on checkpoint `model` whose sampled steps carry the full raw logits (`greedy_logits`
+    with `vocab`): small batches, 256 MiB of cache, seed 0; `overrides` replace or add LLM arguments."""
+    from vllm import LLM
+
+    args = dict(
+        model=str(model),
+        dtype="float32",
+        max_model_len=1024,
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        max_logprobs=vocab,
+        logprobs_mode="raw_logits",
+        kv_cache_memory_bytes=256 << 20,
+        seed=0,
+    )
+    return LLM(**{**args, **overrides})
+
+
+def served_greedy_logits(
+    model: str | Path, prompts: list[list[int]], steps: int, vocab: int, **overrides: object
+) -> list[tuple[list[int], torch.Tensor]]:
+    """`greedy_logits` of `prompts` from a fresh `raw_logits_llm`, shut down before returning."""
+    llm = raw_logits_llm(model, vocab, **overrides)
+    try:
+        return greedy_logits(llm, prompts, steps, vocab)
+    finally:
+        del llm
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine similarity of two tensors taken as flat vectors."""
+    return float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
+
+
+_LOAD_ALL = """
+import json, sys, tempfile
+from vllm.config import set_current_vllm_config
+from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.model_loader import get_model_loader
+from vllm_trn_plugin import register
+
+def config(ckpt):
+    return EngineArgs(model=ckpt, dtype="float32", max_model_len=256, enforce_eager=True).create_engine_config()
+
+register()
+results = {}
+for i, ckpt in enumerate(sys.argv[1:]):
+    vc = config(ckpt)
+    if i == 0:  # the first checkpoint's config sets up vLLM's parallel groups
+        with set_current_vllm_config(vc):
+            init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, "gloo")
+            ensure_model_parallel_initialized(1, 1)
+    try:
+        with set_current_vllm_config(vc):
+            loader = get_model_loader(vc.load_config)
+            loader.load_weights(loader.create_model(vllm_config=vc, model_config=vc.model_config), vc.model_config)
+        results[ckpt] = "loaded"
+    except Exception as e:
+        results[ckpt] = f"{type(e).__name__}: {e}"
+print("RESULTS" + json.dumps(results))
+"""
+
+
+def load_in_child(ckpts: list[str], timeout: float = 900) -> dict[str, str]:
+    """Build and load each checkpoint directory with vLLM's own default loader (float32, eager) in one child
+    process, so that this process never initialises vLLM's distributed state: "loaded", or the error's type and
+    message, by checkpoint. The first checkpoint's config sets up vLLM's parallel groups (a MoE model needs its
+    expert-parallel group), so it should be a MoE checkpoint when any is."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _LOAD_ALL, *ckpts], capture_output=True, text=True, timeout=timeout)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS")]
+    assert line, f"loader script failed:\n{proc.stderr[-3000:]}"
+    return json.loads(line[0].removeprefix("RESULTS"))

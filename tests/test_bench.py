@@ -1,6 +1,7 @@
-"""`vllm-trn bench`: statistics against numpy, the arrival processes and length distributions, the load
-driver against a scripted streaming server (exact concurrency, batches, side-by-side order), and one
-end-to-end sweep against the session's real `vllm-trn serve` of the demo Laplace checkpoint."""
+"""`vllm-trn bench`: statistics on hand-made samples and against numpy, the /metrics reader, the arrival processes
+and length distributions, the load driver against a scripted streaming server (exact concurrency, batches,
+side-by-side order), and one end-to-end sweep against the session's real `vllm-trn serve` of the demo Laplace
+checkpoint whose results `vllm bench sweep plot` draws."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import csv
 import json
 import random
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -18,7 +20,9 @@ import pytest
 
 from vllm_trn_plugin.bench import build_parser, run_bench
 from vllm_trn_plugin.bench.client import RequestResult, Target
-from vllm_trn_plugin.bench.report import describe, percentile, ratios, summarize
+from vllm_trn_plugin.bench.local import vllm_trn_command
+from vllm_trn_plugin.bench.metrics import Metrics
+from vllm_trn_plugin.bench.report import describe, ratios, summarize
 from vllm_trn_plugin.bench.runner import Load, run_point
 from vllm_trn_plugin.bench.workload import (
     LengthDist,
@@ -32,16 +36,39 @@ from vllm_trn_plugin.bench.workload import (
 # Statistics
 
 
-@pytest.mark.parametrize("n", [1, 2, 7, 100, 1001])
-def test_percentiles_equal_numpy(n: int) -> None:
-    rng = np.random.default_rng(n)
-    values = rng.lognormal(3.0, 1.0, n).tolist()  # skewed, like latencies
-    for p in [0, 1, 25, 50, 90, 95, 99, 99.9, 100]:
-        assert percentile(values, p) == pytest.approx(np.percentile(values, p), rel=1e-12, abs=1e-12)
-    d = describe(values)
-    assert d["mean"] == pytest.approx(np.mean(values), rel=1e-12)
-    assert d["std"] == pytest.approx(np.std(values), rel=1e-9, abs=1e-12)
-    assert (d["min"], d["max"], d["n"]) == (min(values), max(values), n)
+def test_describe_on_hand_made_samples() -> None:
+    # Percentiles interpolate linearly between order statistics at rank (n - 1) p / 100 (vllm bench serve's rule).
+    d = describe([40, 15, 50, 35, 20], percentiles=(0, 50, 90, 99, 100))
+    assert (d["n"], d["min"], d["max"], d["p0"], d["p50"], d["p100"]) == (5, 15, 50, 15, 35, 50)
+    assert d["p90"] == pytest.approx(40 + 0.6 * 10) and d["p99"] == pytest.approx(40 + 0.96 * 10)
+    assert d["mean"] == 32 and d["std"] == pytest.approx((830 / 5) ** 0.5)  # population std (ddof 0)
+    one = describe([7.5])
+    assert one["std"] == 0 and one["p50"] == one["p99"] == one["mean"] == 7.5
+    empty = describe([])
+    assert empty["n"] == 0 and all(v != v for k, v in empty.items() if k != "n")  # NaN: nothing measured
+
+
+def test_metrics_reader_sums_series_over_engines() -> None:
+    text = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 10.0
+vllm:request_success_total{engine="1",finished_reason="length",model_name="m"} 4.0
+vllm:request_success_total{engine="0",finished_reason="abort",model_name="m"} 1.0
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="1.0",model_name="m"} 2.0
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} 3.0
+vllm:e2e_request_latency_seconds_sum{engine="0",model_name="m"} 2.5
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="m"} 3.0
+"""
+    m = Metrics(text)
+    assert m.total("vllm:num_requests_running") == 5
+    assert m.by_label("vllm:request_success_total", "finished_reason") == {"length": 14, "abort": 1}
+    assert m.total("vllm:e2e_request_latency_seconds_sum") == 2.5
+    assert m.total("vllm:e2e_request_latency_seconds_count") == 3
+    assert m.total("vllm:num_requests_waiting") == 0  # absent
 
 
 def test_summary_of_synthetic_timings_equals_numpy() -> None:
@@ -326,11 +353,29 @@ def test_sweep_against_vllm_serve(servers, tmp_path: Path) -> None:  # noqa: ANN
     for r in rows:  # a request's E2E latency is its TTFT plus its inter-token gaps
         e2e = float(r["ttft_ms"]) + float(r["mean_itl_ms"]) * (int(r["chunks"]) - 1)
         assert float(r["e2el_ms"]) == pytest.approx(e2e, rel=1e-3, abs=0.05)
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["config"]["targets"][0]["model"] == server.model
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench["config"]["targets"][0]["model"] == server.model
     assert len(list(csv.DictReader(open(out / "summary.csv")))) == 2
     for png in ("latency.png", "e2e_latency.png", "throughput.png", "requests.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # summary.json: one `vllm bench serve` result per point, its statistics those of the per-request rows.
+    records = json.loads((out / "summary.json").read_text())
+    assert [(r["max_concurrency"], r["request_rate"], r["target"]) for r in records] == [
+        (1, "inf", "A"),
+        (4, "inf", "A"),
+    ]
+    for k, rec in enumerate(records):
+        ttft = [float(r["ttft_ms"]) for r in rows[8 * k : 8 * k + 8]]
+        e2e = [float(r["e2el_ms"]) for r in rows[8 * k : 8 * k + 8]]
+        assert rec["median_ttft_ms"] == pytest.approx(np.median(ttft), abs=1e-3)
+        assert rec["p99_e2el_ms"] == pytest.approx(np.percentile(e2e, 99), abs=1e-3)
+        assert (rec["completed"], rec["total_output_tokens"]) == (8, 96)
+    # ... which vLLM's own `sweep plot` reads and draws (through `vllm-trn vllm`, as on the CPU build).
+    plot = [vllm_trn_command(), "vllm", "bench", "sweep", "plot", str(out), "--var-x", "max_concurrency"]
+    plot += ["--var-y", "median_ttft_ms", "--curve-by", "target", "--fig-name", "ttft", "--fig-dpi", "50"]
+    done = subprocess.run(plot, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (out / "ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -341,11 +386,10 @@ def test_sweep_against_vllm_serve(servers, tmp_path: Path) -> None:  # noqa: ANN
 @pytest.mark.parametrize("model,cores", [("laplace-3b", 1), ("mla-trinity", 2)])
 def test_trn2_recipe_parses_as_vllm_serve(model: str, cores: int) -> None:
     import shlex
-    import subprocess
 
-    from vllm_trn_plugin.cli import _ensure_vllm_version_lookup
+    from vllm_trn_plugin.cli import ensure_vllm_version_lookup
 
-    _ensure_vllm_version_lookup()
+    ensure_vllm_version_lookup()
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

@@ -6,48 +6,15 @@ pytest process never initialises vLLM's distributed state.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
 from functools import partial
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.helpers import load_in_child
 from vllm_trn_plugin.demo import write_laplace_demo, write_trinity_demo
 from vllm_trn_plugin.loaders.packed import pack
-
-LOAD_ALL = textwrap.dedent(
-    """
-    import json, sys, tempfile
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader import get_model_loader
-    from vllm_trn_plugin import register
-
-    def config(ckpt):
-        return EngineArgs(model=ckpt, dtype="float32", max_model_len=256, enforce_eager=True).create_engine_config()
-
-    register()
-    with set_current_vllm_config(config(sys.argv[1])):
-        init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, "gloo")
-        ensure_model_parallel_initialized(1, 1)
-    results = {}
-    for ckpt in sys.argv[1:]:
-        vc = config(ckpt)
-        try:
-            with set_current_vllm_config(vc):
-                loader = get_model_loader(vc.load_config)
-                loader.load_weights(loader.create_model(vllm_config=vc, model_config=vc.model_config), vc.model_config)
-            results[ckpt] = "loaded"
-        except Exception as e:
-            results[ckpt] = f"{type(e).__name__}: {e}"
-    print("RESULTS" + json.dumps(results))
-    """
-)
 
 
 def test_bad_tensors_are_named(tmp_path) -> None:
@@ -138,10 +105,7 @@ def test_bad_tensors_are_named(tmp_path) -> None:
         truncate(packed(laplace, "p-truncated")): ("model.safetensors", "truncated"),
     }
     cases.update({k: v[0] for k, v in packed_cases.items()})
-    proc = subprocess.run([sys.executable, "-c", LOAD_ALL, *goods, *cases], capture_output=True, text=True, timeout=900)
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS")]
-    assert line, f"loader script failed:\n{proc.stderr[-3000:]}"
-    results = json.loads(line[0].removeprefix("RESULTS"))
+    results = load_in_child([*goods, *cases])
     for good in goods:
         assert results[good] == "loaded", results[good]
     for ckpt, tensor_name in cases.items():

@@ -14,9 +14,9 @@ holds for the declared format; its model-free `CompressedTensorsDequantizer` ask
 in 0.17 and cannot read these files) and computes transformers' AfmoeForCausalLM with those matrices under the FP8
 numerics the plugin serves them with (tests/references/packed.py: per-token FP8 activations, float64 matmuls; attention,
 router and norms transformers' own). Rounding activations to FP8 turns float32-vs-float64 noise into jumps: an input
-near an FP8 rounding midpoint lands on either neighbour, the KV cache carries it on, and through a near-tied router
-one such flip moved a logit by 2.3 here (7-token prompt, step 1); the reference with its own activations perturbed
-by 1e-7 (relative) before rounding shows exactly that profile, step for step. So the reference is a set: the exact
+near an FP8 rounding midpoint lands on either neighbour, the KV cache carries it on, and a near-tied router can turn
+one such flip into a different expert; the reference with its own activations perturbed by 1e-7 (relative) before
+rounding shows the same profile, step for step. So the reference is a set: the exact
 run and four perturbed ones (`packed_reference.nearest_reference_run`), each an equally valid FP8 forward. A short
 prompt's served logits must be within FLIP_TOL (test_packed_vllm's bound for a few unsampled flips) of one of them
 at every step, each clear argmax of that run chosen; long prompts the same function (cosine). The quantization
@@ -28,9 +28,8 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -38,10 +37,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tests.helpers import greedy_logits, random_prompts, read_safetensors_dir
+from tests.helpers import cosine, load_in_child, random_prompts, read_safetensors_dir, served_greedy_logits
 from tests.references import packed as packed_reference
-from tests.references.afmoe import convert_to_mla, load_hf_model, make_random_afmoe
-from tests.test_checkpoint_errors import LOAD_ALL
+from tests.references.afmoe import convert_to_mla, load_hf_model, make_random_afmoe, teacher_forced_logits
 
 pytestmark = pytest.mark.vllm
 
@@ -109,25 +107,15 @@ def write_ct_mxfp4(src: Path, dst: Path, ignore: list[str]) -> Path:
 def ct_decompressed(ckpt: Path) -> tuple[dict[str, torch.Tensor], set[str]]:
     """Every matrix compressed-tensors' own matching and decompressor find quantized in `ckpt`, float64 under
     `<m>.weight` with a zero `<m>.bias`, and their module names."""
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationConfig
-    from compressed_tensors.utils.match import match_quantizable_tensors
-
-    qc = QuantizationConfig.model_validate(json.loads((ckpt / "config.json").read_text())["quantization_config"])
-    tensors = read_safetensors_dir(ckpt)
+    matrices = packed_reference.ct_decompress(ckpt)
+    stored = {n.removesuffix(".weight_packed") for n in read_safetensors_dir(ckpt) if n.endswith(".weight_packed")}
+    assert stored == set(matrices), "compressed-tensors' matching disagrees with what its compressor wrote"
     out: dict[str, torch.Tensor] = {}
-    for scheme in qc.config_groups.values():
-        compressor = BaseCompressor.get_value_from_registry(scheme.format or qc.format)
-        for module, _ in match_quantizable_tensors(tensors, qc.ignore, scheme.targets, param_targets=["weight_packed"]):
-            parts = {p: tensors[f"{module}.{p}"] for p in ("weight_packed", "weight_scale")}
-            w = compressor.decompress(parts, scheme)["weight"].double()
-            # The packed format's bias-correction vector; compressed-tensors writes none, which is a zero one
-            # (tests/packed_reference.patch_afmoe_fp8 keys its FP8 layers on these vectors).
-            out[f"{module}.weight"], out[f"{module}.bias"] = w, torch.zeros(w.shape[0], dtype=torch.float64)
-    assert {n.removesuffix(".weight_packed") for n in tensors if n.endswith(".weight_packed")} == {
-        n.removesuffix(".weight") for n in out if n.endswith(".weight")
-    }, "compressed-tensors' matching disagrees with what its compressor wrote"
-    return out, {n.removesuffix(".weight") for n in out if n.endswith(".weight")}
+    for module, w in matrices.items():
+        # The packed format's bias-correction vector; compressed-tensors writes none, which is a zero one
+        # (packed_reference.patch_afmoe_fp8 keys its FP8 layers on these vectors).
+        out[f"{module}.weight"], out[f"{module}.bias"] = w, torch.zeros(w.shape[0], dtype=torch.float64)
+    return out, set(matrices)
 
 
 @pytest.fixture(scope="module")
@@ -136,38 +124,6 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     orig = make_random_afmoe(root / "orig", seed=5, full_kv_rank=256)
     mla = convert_to_mla(orig, root / "mla", kv_lora_rank=256)
     return {"mla": mla, "ct": write_ct_mxfp4(mla, root / "ct", SERVED_IGNORE)}
-
-
-def _served(model: Path, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
-    """Greedy tokens and the full raw logits [STEPS, VOCAB] each was chosen from, from vLLM (float32)."""
-    from vllm import LLM
-
-    llm = LLM(
-        model=str(model),
-        dtype="float32",
-        max_model_len=1024,
-        max_num_batched_tokens=256,
-        max_num_seqs=8,
-        max_logprobs=VOCAB,
-        logprobs_mode="raw_logits",
-        kv_cache_memory_bytes=256 << 20,
-        seed=0,
-    )
-    try:
-        return greedy_logits(llm, prompts, STEPS, VOCAB)
-    finally:
-        del llm
-
-
-@torch.no_grad()
-def _hf_logits(model: nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """Reference logits at every generated step, feeding the served tokens (teacher forcing)."""
-    ids = torch.tensor([prompt + tokens[:-1]])
-    return model(input_ids=ids).logits[0, len(prompt) - 1 :].double()
-
-
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
 
 
 def test_compressed_tensors_checkpoint_served_like_its_decompressor(dirs: dict[str, Path]) -> None:
@@ -185,22 +141,23 @@ def test_compressed_tensors_checkpoint_served_like_its_decompressor(dirs: dict[s
     # The plugin's reader decodes each matrix exactly as compressed-tensors does (as FP8 rows and their scales).
     for name, t in iter_checkpoint(ct):
         if isinstance(t, ExpandedMatrix):
-            assert torch.equal(t.dequantize(torch.float64), weights[name]), name
+            assert torch.equal(packed_reference.expanded_values(t), weights[name]), name
 
     prompts = random_prompts(len(LENGTHS), LENGTHS, seed=31)
-    served = _served(ct, prompts)
+    served = served_greedy_logits(ct, prompts, STEPS, VOCAB)
     plain = load_hf_model(dirs["mla"])
     ref = packed_reference.patch_afmoe_fp8(copy.deepcopy(plain), weights, quantized)
     errs, cos = [], []
     for prompt, (tokens, logits) in zip(prompts, served):
         what = f"prompt of {len(prompt)}"
-        cos.append(_cosine(logits, _hf_logits(plain, prompt, tokens)))
+        cos.append(cosine(logits, teacher_forced_logits(plain, prompt, tokens)))
         if len(prompt) > SHORT:
-            want = _hf_logits(ref, prompt, tokens)
+            want = teacher_forced_logits(ref, prompt, tokens)
             errs.append(float((logits - want).abs().max()))
-            assert _cosine(logits, want) > LONG_COSINE, f"{what}: logits cosine {_cosine(logits, want):.4f}"
+            assert cosine(logits, want) > LONG_COSINE, f"{what}: logits cosine {cosine(logits, want):.4f}"
             continue
-        want = packed_reference.nearest_reference_run(logits, functools.partial(_hf_logits, ref, prompt, tokens))
+        reference = functools.partial(teacher_forced_logits, ref, prompt, tokens)
+        want = packed_reference.nearest_reference_run(logits, reference)
         errs.append(float((logits - want).abs().max()))
         assert errs[-1] < FLIP_TOL, f"{what}: max |logit diff| {errs[-1]:.2e} vs the nearest FP8 reference run"
         for i, tok in enumerate(tokens):
@@ -213,6 +170,24 @@ def test_compressed_tensors_checkpoint_served_like_its_decompressor(dirs: dict[s
         f"min {min(cos):.4f}"
     )
     assert min(cos) > 0.9, cos
+
+
+def test_declared_schemes_other_than_mxfp4_and_fp8_head_are_refused() -> None:
+    """The plugin's method takes the MXFP4 targets and the FP8 LM head from the declaration as vLLM parses it, and
+    refuses any other scheme naming its target: MXFP4's format declared with 8-bit weights, FP8 rows for a matrix
+    other than the LM head."""
+    from vllm_trn_plugin.loaders.packed import quantization_config
+    from vllm_trn_plugin.model_executors.mxfp4_fp8_config import TrnMxfp4Fp8Config
+
+    parsed = TrnMxfp4Fp8Config.from_config(quantization_config(["re:.*mlp.*"], fp8_lm_head=True))
+    assert (parsed.mxfp4_targets, parsed.fp8_lm_head, parsed.ignore) == (["re:.*mlp.*"], True, [])
+    wide = quantization_config(["re:.*mlp.*"], fp8_lm_head=False)
+    wide["config_groups"]["group_0"]["weights"]["num_bits"] = 8
+    other_fp8 = quantization_config(["re:.*mlp.*"], fp8_lm_head=True)
+    other_fp8["config_groups"]["group_1"]["targets"] = ["model.layers.0.self_attn.o_proj"]
+    for config, target in ((wide, "re:.*mlp.*"), (other_fp8, "model.layers.0.self_attn.o_proj")):
+        with pytest.raises(ValueError, match=rf"target '{re.escape(target)}'.*not served by trn-mxfp4-fp8"):
+            TrnMxfp4Fp8Config.from_config(config)
 
 
 def test_unservable_or_disagreeing_checkpoints_are_named(dirs: dict[str, Path], tmp_path: Path) -> None:
@@ -242,10 +217,7 @@ def test_unservable_or_disagreeing_checkpoints_are_named(dirs: dict[str, Path], 
         ],
     }
     good = str(dirs["ct"])  # first: it sets up vLLM's parallel groups, the MoE one included
-    proc = subprocess.run([sys.executable, "-c", LOAD_ALL, good, *cases], capture_output=True, text=True, timeout=900)
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS")]
-    assert line, f"loader script failed:\n{proc.stderr[-3000:]}"
-    results = json.loads(line[0].removeprefix("RESULTS"))
+    results = load_in_child([good, *cases])
     assert results[good] == "loaded", results[good]
     for ckpt, parts in cases.items():
         for part in parts:

@@ -20,12 +20,26 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import random_prompts, token_prompts
-from tests.references.afmoe import clear_model_cache, convert_to_mla, load_hf_model, make_random_afmoe
+from tests.helpers import random_prompts, served_greedy_logits
+from tests.references.afmoe import (
+    clear_model_cache,
+    convert_to_mla,
+    load_hf_model,
+    make_random_afmoe,
+    teacher_forced_logits,
+)
 from vllm_trn_plugin.cli import main as cli
-from vllm_trn_plugin.loaders.mxfp4 import CheckpointFormatError
+from vllm_trn_plugin.loaders.io import Checkpoint, CheckpointFormatError
 from vllm_trn_plugin.loaders.packed import iter_checkpoint
-from vllm_trn_plugin.tools.afmoe_forward import model_logits
+from vllm_trn_plugin.tools.afmoe_forward import (
+    Geometry,
+    attention_residual,
+    attention_weights,
+    embed,
+    mlp_forward,
+    mlp_residual,
+    rms_norm,
+)
 from vllm_trn_plugin.tools.calibration import load_calibration
 from vllm_trn_plugin.tools.convert_mla import convert_mla
 
@@ -81,6 +95,20 @@ def _rel_mse(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).pow(2).mean() / ref.pow(2).mean())
 
 
+@torch.no_grad()
+def model_logits(src: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [S, L, vocab] of an unquantized AFMoE / MLA-Trinity checkpoint by the tools' layer forward."""
+    with Checkpoint(src) as ckpt:
+        geo = Geometry.from_config(ckpt.config, str(ckpt.config_path))
+        h = embed(geo, ckpt, tokens)
+        for i in range(geo.num_layers):
+            w = attention_weights(ckpt, geo, i)
+            h = attention_residual(geo, i, w, h)
+            h = mlp_residual(geo, i, w, h, lambda x, i=i: mlp_forward(geo, i, ckpt, x))
+        h = rms_norm(h, ckpt.get("model.norm.weight"), geo.eps)
+        return h @ ckpt.f32("lm_head.weight").T
+
+
 def test_layer_forward_equals_transformers(rank256: Path) -> None:
     """The calibration forward (plain torch, one layer at a time) computes transformers' AFMoE."""
     ours = model_logits(rank256, HELD_OUT[:2]).double()
@@ -117,6 +145,25 @@ def test_exact_rank_reproduces_logits(rank256: Path, tmp_path: Path) -> None:
     assert err < 1e-3
 
 
+def test_afmoe_demo_converts_exactly(tmp_path: Path) -> None:
+    """`vllm-trn demo afmoe` writes an original AFMoE checkpoint transformers loads without a missing or unexpected
+    tensor; written with `kv_rank` 256, its conversion at latent 256 computes the original's logits (float32)."""
+    from transformers import AfmoeForCausalLM
+
+    from vllm_trn_plugin.demo import write_afmoe_demo
+
+    cli(["demo", "afmoe", str(tmp_path / "plain"), "--dtype", "float32"])
+    _, info = AfmoeForCausalLM.from_pretrained(str(tmp_path / "plain"), output_loading_info=True)
+    assert not any(info.values()), info
+    orig = write_afmoe_demo(tmp_path / "orig", seed=2, kv_rank=256)
+    assert json.loads((orig / "config.json").read_text())["architectures"] == ["AfmoeForCausalLM"]
+    dst = convert_mla(orig, tmp_path / "mla", latent=256, calib=CALIB[:4], progress=False).dst
+    ref, got = _logits(orig), _logits(dst)
+    err = float((got - ref).abs().max())
+    print(f"\ndemo afmoe at exact rank 256: max |logit diff| {err:.2e} (logits up to {float(ref.abs().max()):.1f})")
+    assert err < 1e-3
+
+
 def test_reduced_rank_whitened_refit_beats_plain_svd(anisotropic: Path, tmp_path: Path) -> None:
     """On held-out sequences: lower logit error than a plain SVD at every width, falling as the latent widens."""
     ref = _logits(anisotropic)
@@ -140,40 +187,15 @@ def test_reduced_rank_output_serves(anisotropic: Path, tmp_path: Path) -> None:
     """convert-mla's output at a reduced latent (128) in real vLLM (float32, eager, the latent cache on the full
     layer): teacher-forced along the served tokens, transformers reading the same files (k/v = kv_b_proj kv_a_proj)
     picks the same tokens and gives the same logits."""
-    from vllm import LLM, SamplingParams
-
     dst = convert_mla(anisotropic, tmp_path / "mla128", latent=128, calib=CALIB, progress=False).dst
     prompts = random_prompts(2, [9, 90], seed=31)  # 90 > the sliding window (64)
-    steps, vocab = 8, 259
-    llm = LLM(
-        model=str(dst),
-        dtype="float32",
-        max_model_len=512,
-        max_num_batched_tokens=256,
-        max_num_seqs=4,
-        max_logprobs=vocab,
-        logprobs_mode="raw_logits",
-        kv_cache_memory_bytes=128 << 20,
-        enforce_eager=True,
-        seed=0,
-    )
-    try:
-        params = SamplingParams(max_tokens=steps, temperature=0.0, logprobs=vocab, ignore_eos=True)
-        outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
-    finally:
-        del llm
+    served = served_greedy_logits(dst, prompts, 8, 259, enforce_eager=True)
     model = load_hf_model(dst)
     errs = []
-    for prompt, o in zip(prompts, outs):
-        c = o.outputs[0]
-        got = torch.full((steps, vocab), -torch.inf, dtype=torch.float64)
-        for i, top in enumerate(c.logprobs):
-            for tok, lp in top.items():
-                got[i, tok] = lp.logprob
-        with torch.no_grad():
-            ref = model(input_ids=torch.tensor([prompt + list(c.token_ids)[:-1]])).logits[0, len(prompt) - 1 :]
-        assert ref.argmax(-1).tolist() == list(c.token_ids)
-        errs.append(float((got - ref.double()).abs().max()))
+    for prompt, (tokens, got) in zip(prompts, served):
+        ref = teacher_forced_logits(model, prompt, tokens)
+        assert ref.argmax(-1).tolist() == tokens
+        errs.append(float((got - ref).abs().max()))
     clear_model_cache()
     print(f"\nlatent 128 served vs transformers on the same files: max |logit diff| {max(errs):.2e}")
     assert max(errs) < 1e-3, errs

@@ -1,16 +1,20 @@
 """What vLLM's engine config becomes for the plugin's models, built as `vllm serve` builds it (no engine started):
-features that would corrupt state are refused naming the option, the stateful custom ops are splitting ops (so a
-piecewise CUDA graph never captures them), and the GLA metadata lives on the model's device.
+features a model cannot serve exactly are refused naming the option and the reason, the stateful custom ops are
+splitting ops (so a piecewise CUDA graph never captures them), and the GLA metadata lives on the model's device.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import typing
 from pathlib import Path
 
 import pytest
 import torch
+from vllm.config.speculative import MTPModelTypes, SpeculativeMethod
 
-from vllm_trn_plugin.engine_checks import STATEFUL_OPS
+from vllm_trn_plugin.engine_checks import AUX_HIDDEN_STATE_METHODS, STATEFUL_OPS
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +30,6 @@ def _config(model: Path, **kw: object):  # noqa: ANN202
     return EngineArgs(model=str(model), max_model_len=2048, kv_cache_memory_bytes=1 << 28, **kw).create_engine_config()
 
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
 CONNECTOR = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
 
 
@@ -39,20 +42,104 @@ def test_stateful_ops_are_splitting_ops(model: str, laplace_ckpt: Path, trinity_
 
 
 @pytest.mark.parametrize(
-    ("model", "kw", "option"),
+    ("model", "kw", "option", "why"),
     [
-        ("laplace", {"speculative_config": NGRAM}, "--speculative-config"),
-        ("laplace", {"kv_transfer_config": CONNECTOR}, "--kv-transfer-config"),
-        ("trinity", {"speculative_config": NGRAM}, "--speculative-config"),
-        ("trinity", {"kv_transfer_config": CONNECTOR}, "--kv-transfer-config"),
-        ("trinity", {"kv_offloading_size": 1.0}, "--kv-offloading-size"),
+        ("laplace", {"kv_transfer_config": CONNECTOR}, "--kv-transfer-config", "recurrent-state pages"),
+        ("trinity", {"kv_transfer_config": CONNECTOR}, "--kv-transfer-config", "key scales in a store"),
+        ("trinity", {"kv_offloading_size": 1.0}, "--kv-offloading-size", "key scales in a store"),
+        ("laplace", {"enable_lora": True}, "--enable-lora", "does not implement vLLM's LoRA interface"),
+        ("trinity", {"enable_lora": True}, "--enable-lora", "kv_b_proj as a plain matrix"),
     ],
+    ids=["laplace-kv-connector", "trinity-kv-connector", "trinity-kv-offloading", "laplace-lora", "trinity-lora"],
 )
-def test_state_corrupting_features_refused_at_start(
-    model: str, kw: dict, option: str, laplace_ckpt: Path, trinity_ckpt: Path
+def test_features_a_model_cannot_honour_refused_at_start(
+    model: str, kw: dict, option: str, why: str, laplace_ckpt: Path, trinity_ckpt: Path
 ) -> None:
-    with pytest.raises(ValueError, match=f"cannot be served with {option}"):
+    with pytest.raises(ValueError, match=f"cannot be served with {option} .*: .*{why}"):
         _config(laplace_ckpt if model == "laplace" else trinity_ckpt, **kw)
+
+
+def _literal_values(t: object) -> list[str]:
+    return [v for a in typing.get_args(t) for v in (_literal_values(a) if typing.get_args(a) else [a])]
+
+
+# Every method --speculative-config accepts in this vLLM; vLLM turns each of its multi-token-prediction model types
+# into "mtp" before anything else, so "mtp" stands for them all.
+SPECULATIVE_METHODS = sorted(set(_literal_values(SpeculativeMethod)) - set(_literal_values(MTPModelTypes)) | {"mtp"})
+_LLAMA_DRAFT = dict(
+    model_type="llama",
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=259,
+    max_position_embeddings=8192,
+)
+# Draft checkpoints' config.json for the methods that need one (a config is all that building the engine config reads).
+_DRAFTS = {
+    "eagle": {**_LLAMA_DRAFT, "architectures": ["LlamaForCausalLM"]},
+    "eagle3": {**_LLAMA_DRAFT, "architectures": ["LlamaForCausalLMEagle3"]},
+    "dflash": {**_LLAMA_DRAFT, "model_type": "qwen3", "architectures": ["DFlashDraftModel"]},
+    "medusa": {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": 512, "vocab_size": 259},
+    "mlp_speculator": {
+        "model_type": "mlp_speculator",
+        "architectures": ["MLPSpeculatorPreTrainedModel"],
+        "emb_dim": 512,
+        "inner_dim": 512,
+        "vocab_size": 259,
+        "n_predict": 2,
+        "top_k_tokens_per_head": [2, 2],
+    },
+}
+
+
+def _speculative_config(method: str, target: Path, tmp: Path) -> dict:
+    spec = {"method": method, "num_speculative_tokens": 2}
+    if method in _DRAFTS:
+        (tmp / "config.json").write_text(json.dumps(_DRAFTS[method]))
+        spec["model"] = str(tmp)
+    elif method == "draft_model":
+        spec["model"] = str(target)
+    elif method == "custom_class":
+        spec["model"] = "proposers.Proposer"  # imported by the engine, not when the config is built
+    elif method == "ngram":
+        spec["prompt_lookup_max"] = 3
+    return spec
+
+
+# Refused by vLLM itself before the plugin's check, with vLLM's reason.
+_VLLM_REFUSES = {
+    "mtp": (NotImplementedError, "Unsupported speculative method: 'mtp'"),  # neither model has such layers
+    "mlp_speculator": (ValueError, r"\['MLPSpeculatorPreTrainedModel'\] are not supported"),  # not in this vLLM
+}
+if importlib.util.find_spec("arctic_inference") is None:
+    _VLLM_REFUSES["suffix"] = (ImportError, "Arctic Inference is required for suffix decoding")
+
+
+@pytest.mark.parametrize("method", SPECULATIVE_METHODS)
+@pytest.mark.parametrize("model", ["laplace", "trinity"])
+def test_every_speculative_method_refused_at_start(
+    model: str, method: str, laplace_ckpt: Path, trinity_ckpt: Path, tmp_path: Path
+) -> None:
+    """EAGLE, EAGLE3 and every other method: refused when the config is built, naming the option, the method and why
+    (or, for those in _VLLM_REFUSES, by vLLM before the plugin's check)."""
+    target = laplace_ckpt if model == "laplace" else trinity_ckpt
+    spec = _speculative_config(method, target, tmp_path)
+    if method in _VLLM_REFUSES:
+        error, message = _VLLM_REFUSES[method]
+        with pytest.raises(error, match=message):
+            _config(target, speculative_config=spec)
+        return
+    if model == "laplace":
+        why = "the recurrent state advances with every draft token"
+    elif method in AUX_HIDDEN_STATE_METHODS:
+        why = "these drafts read the target's intermediate hidden states, and the model returns none"
+    else:
+        why = "not verified with the latent cache"
+    option = rf"--speculative-config \(speculative decoding, method '{method}'\)"
+    with pytest.raises(ValueError, match=f"cannot be served with {option}: {why}"):
+        _config(target, speculative_config=spec)
 
 
 def test_gla_metadata_on_the_model_device(laplace_ckpt: Path) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_trn_plugin.kernels.fp8_expert import fp8_linear, quantize_per_token
+from vllm_trn_plugin.kernels.fp8_expert import ExpertWeights, fp8_experts, fp8_linear, quantize_per_token
 
 E4M3 = ml_dtypes.float8_e4m3  # Trainium2's IEEE-style E4M3: max 240, NaN beyond
 
@@ -64,8 +64,6 @@ def test_fp8_experts_route_weight_and_sum() -> None:
     """Each token's output is sum_k w_k * down_e(SiLU(gate_e x) * up_e x) over its own experts: checked against the
     per-token composition of fp8_linear (whose numerics are checked above); a wrong expert, weight or order
     would be off by O(1)."""
-    from vllm_trn_plugin.kernels.fp8_expert import fp8_experts
-
     g = torch.Generator().manual_seed(2)
     E, H, I, T, K = 6, 128, 64, 9, 2
     w13 = (torch.randn(E, 2 * I, H, generator=g) * 30).to(torch.float8_e4m3fn)
@@ -75,7 +73,7 @@ def test_fp8_experts_route_weight_and_sum() -> None:
     x = torch.randn(T, H, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
     wts = torch.rand(T, K, generator=g)
-    out = fp8_experts(x, wts, ids, w13, s13, b13, w2, s2, b2)
+    out = fp8_experts(x, wts, ids, ExpertWeights(w13, s13, b13, w2, s2, b2))
     for t in range(T):
         want = torch.zeros(H)
         for k in range(K):

@@ -7,8 +7,6 @@ continue from the saved state, and prefills and decodes share batches.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from tests.helpers import (
@@ -16,11 +14,14 @@ from tests.helpers import (
     PROBE_TOKENS,
     PROBES,
     TOKEN_BUDGET,
+    check_batched_against_alone,
+    chosen_steps,
     greedy_params,
     random_prompts,
     token_prompts,
 )
-from tests.references.laplace import TIE_MARGIN, assert_same_greedy, first_divergence
+from tests.references.laplace import assert_same_greedy
+from vllm_trn_plugin.bench.ties import first_divergence
 
 pytestmark = pytest.mark.vllm
 
@@ -29,24 +30,13 @@ MIXED_LENGTHS = [1, 7, 127, 128, 129, 300, 517, 40, 255, 256, 257, 3, 64, 200, 9
 LOGPROB_TOL = 1e-4  # float32 engine, nats; batch composition changes summation order only
 
 
-def _tokens_and_logprobs(out) -> tuple[list[int], list[float], list[float]]:  # noqa: ANN001
-    """Chosen tokens, their logprobs, and top-1 minus top-2 margins, from a vLLM RequestOutput."""
-    c = out.outputs[0]
-    lps, margins = [], []
-    for tok, top in zip(c.token_ids, c.logprobs):
-        lps.append(top[tok].logprob)
-        vals = sorted((lp.logprob for lp in top.values()), reverse=True)
-        margins.append(vals[0] - vals[1] if len(vals) > 1 else math.inf)
-    return list(c.token_ids), lps, margins
-
-
 def test_greedy_equals_plain_pytorch_forward(laplace_llm, laplace_ref) -> None:
     prompts = random_prompts(8, MIXED_LENGTHS[::2], seed=1)
     outs = laplace_llm.llm.generate(token_prompts(prompts), greedy_params(24), use_tqdm=False)
     assert any(len(p) > TOKEN_BUDGET for p in prompts)  # chunked prefill from a saved state
     for prompt, out in zip(prompts, outs):
         ref = laplace_ref.greedy(prompt, 24)
-        toks, lps, _ = _tokens_and_logprobs(out)
+        toks, lps, _ = chosen_steps(out)
         assert_same_greedy(toks, ref, f"prompt of {len(prompt)} tokens")
         d = first_divergence(toks, ref.tokens)
         n = len(toks) if d is None else d
@@ -58,7 +48,7 @@ def test_greedy_equals_plain_pytorch_forward(laplace_llm, laplace_ref) -> None:
 def alone_outputs(laplace_llm):
     prompts = random_prompts(32, MIXED_LENGTHS, seed=2)
     alone = [
-        _tokens_and_logprobs(laplace_llm.llm.generate(token_prompts([p]), greedy_params(16), use_tqdm=False)[0])
+        chosen_steps(laplace_llm.llm.generate(token_prompts([p]), greedy_params(16), use_tqdm=False)[0])
         for p in prompts
     ]
     return prompts, alone
@@ -71,14 +61,9 @@ def test_batch_invariance(laplace_llm, alone_outputs, batch: int) -> None:
     idx = [(i * 7 + batch) % 32 for i in range(batch)]
     outs = laplace_llm.llm.generate(token_prompts([prompts[i] for i in idx]), greedy_params(16), use_tqdm=False)
     for i, out in zip(idx, outs):
-        toks, lps, _ = _tokens_and_logprobs(out)
-        a_toks, a_lps, a_margins = alone[i]
-        d = first_divergence(toks, a_toks)
-        if d is not None:
-            assert a_margins[d] < TIE_MARGIN, f"seq {i} (len {len(prompts[i])}) in batch {batch}: token {d} differs"
-        n = len(toks) if d is None else d
-        err = max((abs(x - y) for x, y in zip(lps[:n], a_lps[:n])), default=0.0)
-        assert err <= LOGPROB_TOL, f"seq {i} in batch {batch}: logprob differs by {err:.2e} from its run alone"
+        toks, lps, _ = chosen_steps(out)
+        what = f"seq {i} (len {len(prompts[i])}) in batch {batch}"
+        check_batched_against_alone(what, toks, lps, alone[i], LOGPROB_TOL)
 
 
 def test_waves_with_aborts_more_sequences_than_pages(laplace_llm, laplace_ref) -> None:
@@ -121,6 +106,6 @@ def test_reused_slot_equals_fresh_engine(laplace_llm) -> None:
     """Runs after the other tests have cycled every page: the probes must see no stale state."""
     for prompt, fresh in zip(PROBES, laplace_llm.fresh_probe_outputs):
         again = laplace_llm.llm.generate(token_prompts([prompt]), greedy_params(PROBE_TOKENS), use_tqdm=False)[0]
-        got, want = _tokens_and_logprobs(again), _tokens_and_logprobs(fresh)
+        got, want = chosen_steps(again), chosen_steps(fresh)
         assert got[0] == want[0], f"probe of {len(prompt)} tokens: {got[0]} in a reused slot, {want[0]} fresh"
         assert max(abs(a - b) for a, b in zip(got[1], want[1])) <= LOGPROB_TOL

@@ -1,4 +1,6 @@
-"""The absorbed latent decode NKI kernel (kernels/latent_decode_nki.py) in the NKI emulator.
+"""The absorbed latent decode NKI kernel (kernels/latent_decode_nki.py) in the NKI emulator, and the op's torch
+path (kernels/latent_decode.py), against the op's definition `latent_decode_reference` and the unabsorbed
+attention in float64 (`expanded_float64`, here).
 
 Inputs are built the way the model holds them: a paged latent cache whose unwritten rows are NaN,
 a key-scale side store (NaN where never written, 1 / rms(W_k,g c) where written), shuffled
@@ -9,19 +11,27 @@ never-written blocks, 0).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from vllm_trn_plugin.kernels import nki_emu
+from vllm_trn_plugin.kernels.latent_decode import (
+    DECODE_TILE,
+    AbsorbedWeights,
+    PagedLatents,
+    gather_blocks,
+    latent_decode_reference,
+    latent_decode_torch,
+)
 from vllm_trn_plugin.kernels.latent_decode_nki import (
     BUCKETS,
     latent_decode_cost,
+    latent_decode_kernel,
     latent_decode_nki,
-    latent_decode_reference,
-    latent_decode_torch,
     pick_bucket,
+    row_table,
 )
 from vllm_trn_plugin.kernels.nki_shim import simulate
 
@@ -30,32 +40,12 @@ SMALL = dict(H=8, Hkv=2, hd=64, r=128)
 EPS = 1e-5
 
 
-@dataclass
-class Case:
-    q: torch.Tensor
-    gamma: torch.Tensor
-    w_k: torch.Tensor
-    w_v: torch.Tensor
-    cache: torch.Tensor
-    key_scales: torch.Tensor
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    block_size: int
-    scale: float
+class Case(NamedTuple):
+    """The op's arguments: queries, the layer's absorbed weights, the batch's paged history."""
 
-    def args(self) -> tuple:
-        return (
-            self.q,
-            self.gamma,
-            self.w_k,
-            self.w_v,
-            self.cache,
-            self.key_scales,
-            self.block_table,
-            self.seq_lens,
-            self.scale,
-            self.block_size,
-        )
+    q: torch.Tensor
+    w: AbsorbedWeights
+    h: PagedLatents
 
 
 def make_case(
@@ -99,7 +89,11 @@ def make_case(
     q = (2.0 * torch.randn(len(lens), H, hd, generator=g)).to(q_dtype)
     gamma = (1.0 + 0.2 * torch.randn(hd, generator=g)).to(q_dtype)
     w_k, w_v = w_k.to(w_dtype), w_v.to(w_dtype)
-    return Case(q, gamma, w_k, w_v, cache, key_scales, table, torch.tensor(lens), block_size, hd**-0.5)
+    return Case(
+        q,
+        AbsorbedWeights(gamma, w_k, w_v, hd**-0.5),
+        PagedLatents(cache, key_scales, table, torch.tensor(lens), block_size),
+    )
 
 
 def expanded_float64(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,30 +101,30 @@ def expanded_float64(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns (out, sum_i p_i |v_i|) [B, H, hd]; the second bounds what rounding p costs.
     """
-    B, H, hd = case.q.shape
-    Hkv = case.w_k.shape[0]
+    (q, w, h), (B, H, hd) = case, case.q.shape
+    Hkv = w.w_k.shape[0]
     G = H // Hkv
-    w_kv = torch.cat([case.w_k, case.w_v]).double().reshape(2 * Hkv * hd, -1)
+    w_kv = torch.cat([w.w_k, w.w_v]).double().reshape(2 * Hkv * hd, -1)
     out = torch.empty(B, H, hd, dtype=torch.float64)
     mix = torch.empty(B, H, hd, dtype=torch.float64)
     for b in range(B):
-        L, bs = int(case.seq_lens[b]), case.block_size
+        L, bs = int(h.seq_lens[b]), h.block_size
         i = torch.arange(L)
-        rows = case.block_table[b].long()[i // bs] * bs + i % bs
-        c = case.cache[rows].double()
-        s = case.key_scales[rows].double().t()[:, :, None]  # [Hkv, L, 1]
+        rows = h.block_table[b].long()[i // bs] * bs + i % bs
+        c = h.cache.reshape(-1, h.cache.shape[-1])[rows].double()
+        s = h.key_scales.reshape(-1, Hkv)[rows].double().t()[:, :, None]  # [Hkv, L, 1]
         kv = (c @ w_kv.t()).view(L, 2, Hkv, hd).permute(1, 2, 0, 3)  # [2, Hkv, L, hd]
-        k = case.gamma.double() * kv[0] * s
+        k = w.gamma.double() * kv[0] * s
         v = kv[1]
-        qh = case.q[b].double().view(Hkv, G, hd)
-        p = torch.softmax(case.scale * torch.einsum("gjd,gld->gjl", qh, k), dim=-1)
+        qh = q[b].double().view(Hkv, G, hd)
+        p = torch.softmax(w.scale * torch.einsum("gjd,gld->gjl", qh, k), dim=-1)
         out[b] = torch.einsum("gjl,gld->gjd", p, v).reshape(H, hd)
         mix[b] = torch.einsum("gjl,gld->gjd", p, v.abs()).reshape(H, hd)
     return out, mix
 
 
 def run_kernel(case: Case, bucket: int | None = None) -> torch.Tensor:
-    return latent_decode_nki(*case.args(), runner=simulate, bucket=bucket)
+    return latent_decode_nki(*case, runner=simulate, bucket=bucket)
 
 
 def assert_close(out: torch.Tensor, case: Case, ref: torch.Tensor | None = None) -> None:
@@ -139,10 +133,10 @@ def assert_close(out: torch.Tensor, case: Case, ref: torch.Tensor | None = None)
     The kernel's one low-precision step is p in the cache dtype for the p^T C matmul (the
     operands must pair with the latents); rounding p to bf16 (unit roundoff 2^-8) moves out_h by
     at most 2^-8 sum_i p_i |v_i| elementwise. Everything else is fp32 (scores, softmax state, PSUM):
-    1e-5 of the output scale covers it (measured <= 3e-7 for an fp32 cache).
+    1e-5 of the output scale covers it.
     """
     f64, mix = expanded_float64(case)
-    p_round = 2.0**-8 if case.cache.dtype == torch.bfloat16 else 0.0
+    p_round = 2.0**-8 if case.h.cache.dtype == torch.bfloat16 else 0.0
     bound = p_round * mix + 1e-5 * f64.abs().amax(dim=(1, 2), keepdim=True)
     assert torch.isfinite(out).all()
     assert ((out.double() - f64).abs() <= bound).all(), float(((out.double() - f64).abs() / bound).max())
@@ -165,7 +159,7 @@ def test_kernel_matches_reference_and_float64(
 ) -> None:
     cache_dtype, q_dtype, w_dtype = dtypes
     case = make_case(lens, block_size, **geometry, cache_dtype=cache_dtype, q_dtype=q_dtype, w_dtype=w_dtype, seed=1)
-    ref = latent_decode_reference(*case.args())
+    ref = latent_decode_reference(*case)
     f64, _ = expanded_float64(case)
     assert float((ref.double() - f64).abs().max() / f64.abs().max()) < 1e-5  # the reference is the op
     out = run_kernel(case, bucket=bucket)
@@ -174,18 +168,8 @@ def test_kernel_matches_reference_and_float64(
 
 
 def subset(case: Case, idx: list[int]) -> Case:
-    return Case(
-        case.q[idx],
-        case.gamma,
-        case.w_k,
-        case.w_v,
-        case.cache,
-        case.key_scales,
-        case.block_table[idx],
-        case.seq_lens[idx],
-        case.block_size,
-        case.scale,
-    )
+    h = case.h._replace(block_table=case.h.block_table[idx], seq_lens=case.h.seq_lens[idx])
+    return Case(case.q[idx], case.w, h)
 
 
 def test_every_batch_size_equals_single_sequence_runs() -> None:
@@ -230,27 +214,23 @@ def test_unwritten_rows_and_stale_table_entries_have_no_effect() -> None:
     case = make_case(lens, 16, **REAL, seed=4, spare_blocks=6)
     base = run_kernel(case, bucket=384)
     assert_close(base, case)
-    unwritten = torch.isnan(case.key_scales[:, 0])
+    (q, w, h) = case
+    unwritten = torch.isnan(h.key_scales[:, 0])
     assert unwritten.sum() > 6 * 16  # spare blocks and the tails of partly used blocks
-    garbage = Case(**vars(case))
-    garbage.cache = case.cache.clone()
+    garbage = h._replace(cache=h.cache.clone(), key_scales=h.key_scales.clone(), block_table=h.block_table.clone())
     garbage.cache[unwritten] = 3e4
-    garbage.key_scales = case.key_scales.clone()
     garbage.key_scales[unwritten] = -7.0
-    garbage.block_table = case.block_table.clone()
     for b, L in enumerate(lens):
         garbage.block_table[b, -(-L // 16) :] = 2**30  # far out of range
-    assert torch.equal(run_kernel(garbage, bucket=384), base)
+    assert torch.equal(run_kernel(Case(q, w, garbage), bucket=384), base)
 
     # The kernel itself (not only the wrapper's row table) ignores rows past L: point them at
     # never-written (NaN) rows that are in range.
-    from vllm_trn_plugin.kernels.latent_decode_nki import latent_decode_kernel, row_table
-
-    rows = row_table(case.block_table, case.seq_lens, 16, 384, case.cache.shape[0])
+    rows = row_table(h.block_table, h.seq_lens, 16, 384, h.cache.shape[0])
     nan_row = int(torch.nonzero(unwritten)[0])
-    rows[rows == case.cache.shape[0]] = nan_row
+    rows[rows == h.cache.shape[0]] = nan_row
     out = simulate(latent_decode_kernel)(
-        case.q, case.gamma, case.w_k, case.w_v, case.cache, case.key_scales, rows, case.seq_lens.int(), case.scale
+        q, w.gamma, w.w_k, w.w_v, h.cache, h.key_scales, rows, h.seq_lens.int(), w.scale
     )
     assert torch.equal(out, base)
 
@@ -258,12 +238,10 @@ def test_unwritten_rows_and_stale_table_entries_have_no_effect() -> None:
 def test_torch_path_agrees_with_reference() -> None:
     """The model's torch path (`latent_decode_torch`: one sequence at a time, DECODE_TILE-key tiles, online softmax)
     computes the same op, across a tile boundary."""
-    from vllm_trn_plugin.kernels.latent_decode_nki import DECODE_TILE
-
     lens = [1, 300, DECODE_TILE + 700]
     case = make_case(lens, 16, **REAL, seed=6)
-    ref = latent_decode_reference(*case.args())
-    got = latent_decode_torch(*case.args())
+    ref = latent_decode_reference(*case)
+    got = latent_decode_torch(*case)
     for b in range(len(lens)):
         assert torch.allclose(got[b], ref[b], rtol=0, atol=1e-5 * float(ref[b].abs().max()))
 
@@ -272,9 +250,11 @@ def test_counters_equal_cost_formula() -> None:
     """DMA bytes and instruction counts of one real-geometry call equal `latent_decode_cost`."""
     lens = [100, 2304, 1000, 2000]
     case = make_case(lens, 128, **REAL, seed=7)
-    paged = Case(**vars(case))  # the cache as vLLM allocates it: [num_blocks, block_size, r]
-    paged.cache = case.cache.view(-1, 128, REAL["r"])
-    paged.key_scales = case.key_scales.view(-1, 128, REAL["Hkv"])
+    # the cache as vLLM allocates it: [num_blocks, block_size, r]
+    h = case.h._replace(
+        cache=case.h.cache.view(-1, 128, REAL["r"]), key_scales=case.h.key_scales.view(-1, 128, REAL["Hkv"])
+    )
+    paged = case._replace(h=h)
     assert torch.equal(run_kernel(paged), run_kernel(case))
     c = nki_emu.last_counters()
     cost = latent_decode_cost(lens, w_bytes=4)  # bf16 cache, q and gamma; fp32 weights as the model holds them
@@ -290,13 +270,16 @@ def test_counters_equal_cost_formula() -> None:
 
 def test_wrapper_rejects_what_the_kernel_cannot_run() -> None:
     case = make_case([40, 17], 16, **SMALL, seed=8)
-    bad_bs = Case(**{**vars(case), "block_size": 24})
+
+    def changed(**fields: object) -> Case:
+        return case._replace(h=case.h._replace(**fields))
+
     with pytest.raises(ValueError, match="power of two"):
-        run_kernel(bad_bs, bucket=128)
+        run_kernel(changed(block_size=24), bucket=128)
     with pytest.raises(ValueError, match="1 <= seq_len"):
-        run_kernel(Case(**{**vars(case), "seq_lens": torch.tensor([40, 0])}), bucket=128)
+        run_kernel(changed(seq_lens=torch.tensor([40, 0])), bucket=128)
     with pytest.raises(ValueError, match="more blocks"):
-        run_kernel(Case(**{**vars(case), "block_table": case.block_table[:, :2]}), bucket=128)
+        run_kernel(changed(block_table=case.h.block_table[:, :2]), bucket=128)
     with pytest.raises(ValueError, match="multiple of 128"):
         run_kernel(case, bucket=100)
 
@@ -307,19 +290,19 @@ def test_prefill_and_decode_normalise_keys_alike() -> None:
     and a decode step at the same position see the same keys (before, prefill normalised K rounded to bf16)."""
     from types import SimpleNamespace
 
-    from vllm_trn_plugin.kernels.latent_decode_nki import gather_blocks, latent_decode_torch
     from vllm_trn_plugin.model_executors.latent_attention import TrinityLatentAttention
 
     case = make_case([700, 129], block_size=64, **REAL, cache_dtype=torch.bfloat16, q_dtype=torch.bfloat16)
-    decoded = latent_decode_torch(*case.args())
-    layer = SimpleNamespace(k_norm=SimpleNamespace(weight=case.gamma), scaling=case.scale)
-    Hkv, r, bs = case.w_k.shape[0], case.w_k.shape[2], case.block_size
+    decoded = latent_decode_torch(*case)
+    (q, w, h) = case
+    layer = SimpleNamespace(k_norm=SimpleNamespace(weight=w.gamma), scaling=w.scale)
+    Hkv, r, bs = w.w_k.shape[0], w.w_k.shape[2], h.block_size
     worst = 0.0
-    for b, L in enumerate(case.seq_lens.tolist()):
-        ids = case.block_table[b, : -(-L // bs)].long()
-        c = gather_blocks(case.cache.view(-1, bs, r), ids, L)
-        s = case.key_scales.view(-1, bs, Hkv)[ids].reshape(-1, Hkv)[:L]
-        got = TrinityLatentAttention._prefill(layer, case.q[b : b + 1], c, s, case.w_k, case.w_v)[0]
+    for b, L in enumerate(h.seq_lens.tolist()):
+        ids = h.block_table[b, : -(-L // bs)].long()
+        c = gather_blocks(h.cache.view(-1, bs, r), ids, L)
+        s = h.key_scales.view(-1, bs, Hkv)[ids].reshape(-1, Hkv)[:L]
+        got = TrinityLatentAttention._prefill(layer, q[b : b + 1], c, s, w.w_k, w.w_v)[0]
         worst = max(worst, float((got - decoded[b]).abs().max() / decoded[b].abs().max()))
     assert worst < 1e-5, worst  # fp32 summation order only
 
@@ -334,7 +317,7 @@ def test_each_tensor_parallel_rank_decodes_its_heads_of_the_whole_layer(tp: int)
 
     H, Hkv = 32, 4
     case = make_case([5, 300, 131], block_size=64, H=H, Hkv=Hkv, hd=32, r=64, seed=3)
-    whole = latent_decode_torch(*case.args())
+    whole = latent_decode_torch(*case)
     served = torch.zeros(H, dtype=torch.bool)
     for rank in range(tp):
         kv = kv_heads_of_rank(Hkv, tp, rank)
@@ -343,15 +326,8 @@ def test_each_tensor_parallel_rank_decodes_its_heads_of_the_whole_layer(tp: int)
         mine = slice(kv.start, kv.stop)
         out = latent_decode_torch(
             case.q[:, q_heads.start : q_heads.stop],
-            case.gamma,
-            case.w_k[mine],
-            case.w_v[mine],
-            case.cache,
-            case.key_scales[:, mine],
-            case.block_table,
-            case.seq_lens,
-            case.scale,
-            case.block_size,
+            case.w._replace(w_k=case.w.w_k[mine], w_v=case.w.w_v[mine]),
+            case.h._replace(key_scales=case.h.key_scales[:, mine]),
         )
         torch.testing.assert_close(out, whole[:, q_heads.start : q_heads.stop], rtol=1e-6, atol=1e-6)
         served[q_heads.start : q_heads.stop] = True

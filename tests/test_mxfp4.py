@@ -14,16 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.references.packed import expanded_values
 from vllm_trn_plugin.loaders import mxfp4, packed
-from vllm_trn_plugin.loaders.mxfp4 import (
-    CheckpointFormatError,
-    ExpandedMatrix,
-    decode_mxfp4,
-    expand_rows,
-    from_gpt_oss,
-    quantize_rtn,
-)
-from vllm_trn_plugin.loaders.packed import iter_checkpoint, pack, quantize_fp8_rows
+from vllm_trn_plugin.loaders.io import CheckpointFormatError
+from vllm_trn_plugin.loaders.mxfp4 import ExpandedMatrix, decode_mxfp4, expand_rows, quantize_rtn
+from vllm_trn_plugin.loaders.packed import declares_packed, iter_checkpoint, pack, quantize_fp8_rows
 
 GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 SIGNED = np.concatenate([GRID, -GRID])  # code -> value (code 8 is -0)
@@ -130,7 +125,7 @@ def test_expand_random_rows_exact_up_to_spread_13() -> None:
     assert m.is_fp8 and m.note == "" and m.weight.dtype == torch.float8_e4m3fn and m.row_scale.dtype == torch.float32
     assert_exact_fp8(m.weight, ref)
     np.testing.assert_array_equal(m.row_scale.to(torch.float64).numpy(), scale)
-    np.testing.assert_array_equal(m.dequantize(torch.float64).numpy(), ref_decode(p, s))
+    np.testing.assert_array_equal(expanded_values(m).numpy(), ref_decode(p, s))
     assert (m.weight.float().abs() == 2.0**-9).any()  # the smallest FP8 subnormal is reached
 
 
@@ -280,32 +275,28 @@ def test_rtn_then_expand_is_exact() -> None:
     w = torch.randn(16, 128, generator=torch.Generator().manual_seed(4))
     p, s = quantize_rtn(w)
     m = expand_rows(p, s, file="f", tensor="t")
-    np.testing.assert_array_equal(m.dequantize(torch.float64).numpy(), ref_rtn(w.double().numpy())[0])
+    np.testing.assert_array_equal(expanded_values(m).numpy(), ref_rtn(w.double().numpy())[0])
 
 
-# ---------------------------------------------------------------- gpt-oss layout
-
-
-def test_gpt_oss_layout_equals_compressed_tensors_layout() -> None:
-    rng = np.random.default_rng(5)
-    E, out, nb = 2, 3, 4
-    codes = make_codes(rng, E * out, 32 * nb)
-    ct_packed = pack_codes(codes).view(E, out, nb * 16)
-    scales = torch.from_numpy(rng.integers(118, 131, size=(E, out, nb)).astype(np.uint8))
-    # gpt-oss block g, byte b holds elements 32g + 2b (low nibble) and 32g + 2b + 1 (high nibble)
-    blocks = torch.zeros(E, out, nb, 16, dtype=torch.uint8)
-    for g in range(nb):
-        for b in range(16):
-            lo, hi = codes[:, 32 * g + 2 * b], codes[:, 32 * g + 2 * b + 1]
-            blocks[:, :, g, b] = torch.from_numpy((lo | (hi << 4)).astype(np.uint8)).view(E, out)
-    p, s = from_gpt_oss(blocks, scales)
-    assert torch.equal(p, ct_packed) and torch.equal(s, scales)
-    mxfp4_tf = pytest.importorskip("transformers.integrations.mxfp4")
-    tf = mxfp4_tf.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
-    m = expand_rows(p, s, file="f", tensor="t")
-    assert torch.equal(m.dequantize().transpose(1, 2), tf)
-    with pytest.raises(CheckpointFormatError, match="f: tensor b_blocks"):
-        from_gpt_oss(blocks[..., :8], scales, file="f", tensor="b_blocks")
+def test_gptq_path_at_rtn_exponents_is_quantize_rtn() -> None:
+    """The functions the GPTQ tool writes with (`rtn_exponents`, `limit_spread`, `round_to_grid`, `quantize_codes`
+    on grid values, `pack_codes`) give `quantize_rtn`'s bytes exactly when given its exponents: ties, saturation,
+    zero blocks and rows, exponents clamped at -127, rows spanning 13 octaves."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(8, 32 * 6, generator=g) * torch.logspace(-20, 20, 8).unsqueeze(-1)
+    w[0] = torch.randn(32 * 6, generator=g)
+    w[0, :14] = torch.tensor([4.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.9, 6.5, 0.1, -0.25, -5.0, -3.5])
+    w[1, 32:64] = 0
+    w[2] = 0
+    w[3] = torch.randn(32 * 6, generator=g) * 2.0**-122
+    w[3, 64:96] = 2.0**-140  # exponent clamped at -127
+    w[4, 96:128] *= 2.0**-13  # 13 octaves below the rest of its row
+    exp = mxfp4.limit_spread(mxfp4.rtn_exponents(w))
+    q = mxfp4.round_to_grid(w, exp.repeat_interleave(32, -1))
+    codes = mxfp4.pack_codes(mxfp4.quantize_codes(q, exp, exact=True))
+    p, s = quantize_rtn(w)
+    assert torch.equal(codes, p) and torch.equal((exp + 127).to(torch.uint8), s)
+    np.testing.assert_array_equal(q.double().numpy(), ref_rtn(w.double().numpy())[0])
 
 
 # ---------------------------------------------------------------- packed checkpoints
@@ -362,7 +353,7 @@ def test_pack_then_iter_checkpoint_round_trip(tmp_path: Path) -> None:
     assert g0["format"] == "mxfp4-pack-quantized" and g0["weights"]["group_size"] == 32 and g1["targets"] == ["lm_head"]
     target = re.compile(g0["targets"][0].removeprefix("re:"))
     assert all(target.match(m) for m in mlp) and not target.match("model.layers.0.self_attn.gate_proj")
-    assert packed.is_packed_checkpoint(dst) and not packed.is_packed_checkpoint(tmp_path / "src")
+    assert declares_packed(qc) and not declares_packed(json.loads((tmp_path / "src" / "config.json").read_text()))
 
     on_disk = {}
     for shard in report.shards:
@@ -379,7 +370,7 @@ def test_pack_then_iter_checkpoint_round_trip(tmp_path: Path) -> None:
             m = got[name]
             assert isinstance(m, ExpandedMatrix) and m.is_fp8
             vals, _ = ref_rtn(w.double().numpy())
-            np.testing.assert_array_equal(m.dequantize(torch.float64).numpy(), vals)
+            np.testing.assert_array_equal(expanded_values(m).numpy(), vals)
             bias = got[module + ".bias"]
             assert bias.dtype == torch.bfloat16 and bias.shape == (w.shape[0],) and not bias.any()
         elif name == "lm_head.weight":
@@ -473,27 +464,30 @@ def test_fp8_head_beyond_trainium_range_rejected(tmp_path: Path) -> None:
         list(iter_checkpoint(tmp_path))
 
 
-def test_iter_checkpoint_gpt_oss_and_allow_bf16(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_iter_checkpoint_stacked_and_allow_bf16(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Stacked experts [E, out, in/2] with a row over 13 octaves: refused naming (expert, row); with allow_bf16
+    read exactly as bf16 and reported (logged), followed by its zero bias (the file has none)."""
     codes = np.full((2 * 4, 64), 9)
     scales = np.full((2, 4, 2), 127, dtype=np.uint8)
     scales[0, 1, 1] = 100  # 27 octaves: not FP8-exact
-    blocks = pack_codes(codes).view(2, 4, 2, 16)
+    m = "model.layers.0.mlp.experts.down_proj"
     save_file(
-        {
-            "model.layers.0.mlp.experts.down_proj_blocks": blocks,
-            "model.layers.0.mlp.experts.down_proj_scales": torch.from_numpy(scales),
-        },
+        {m + ".weight_packed": pack_codes(codes).view(2, 4, 32), m + ".weight_scale": torch.from_numpy(scales)},
         str(tmp_path / "g.safetensors"),
     )
-    with pytest.raises(CheckpointFormatError, match=r"g\.safetensors: tensor \S+down_proj_blocks: row \(0, 1\)"):
+    with pytest.raises(
+        CheckpointFormatError, match=r"g\.safetensors: tensor \S+down_proj\.weight_packed: row \(0, 1\)"
+    ):
         list(iter_checkpoint(tmp_path))
     with caplog.at_level(logging.WARNING):
-        (name, m), *rest = list(iter_checkpoint(tmp_path, allow_bf16=True))
-    assert not rest and name == "model.layers.0.mlp.experts.down_proj"
-    assert m.weight.dtype == torch.bfloat16 and m.weight.shape == (2, 4, 64) and "row (0, 1)" in m.note
-    assert m.note in caplog.text
+        got = list(iter_checkpoint(tmp_path, allow_bf16=True))
+    assert [name for name, _ in got] == [m + ".weight", m + ".bias"]
+    w = got[0][1]
+    assert w.weight.dtype == torch.bfloat16 and w.weight.shape == (2, 4, 64) and "row (0, 1)" in w.note
+    assert w.note in caplog.text
     ref = ref_decode(pack_codes(codes), torch.from_numpy(scales.reshape(8, 2)))
-    np.testing.assert_array_equal(m.weight.double().numpy().reshape(8, 64), ref)
+    np.testing.assert_array_equal(w.weight.double().numpy().reshape(8, 64), ref)
+    assert not got[1][1].any() and got[1][1].shape == (2, 4)
 
 
 def test_quantize_fp8_rows_zero_row_and_range() -> None:

@@ -90,7 +90,7 @@ def _emulate_check(monkeypatch: pytest.MonkeyPatch, counters: dict[str, tuple[An
 def test_laplace_through_beta_contract_equals_vllm(
     laplace_ckpt: Path, laplace_llm: Any, worker: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllm_trn_plugin.kernels import gla_decode_nki
+    from vllm_trn_plugin.kernels import simple_gla_nki
     from vllm_trn_plugin.neuron.laplace import LaplaceBetaModel
 
     monkeypatch.setenv("VLLM_TRN_KERNELS", "torch")
@@ -110,7 +110,7 @@ def test_laplace_through_beta_contract_equals_vllm(
         max_num_batched_tokens=512,
     )
     report: dict[str, Any] = {}
-    runner.emulate_check = _emulate_check(monkeypatch, {"gla": (gla_decode_nki, "gla_decode_nki")}, report)
+    runner.emulate_check = _emulate_check(monkeypatch, {"gla": (simple_gla_nki, "gla_decode_nki")}, report)
     t0 = time.perf_counter()
     got = runner.generate([Request(p, a) for p, a in zip(prompts, [0, 1, 2, 4])])
     seconds = time.perf_counter() - t0

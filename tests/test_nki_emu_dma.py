@@ -8,11 +8,7 @@ import pytest
 import torch
 
 from tests.emulator_helpers import f32, load, run, store
-from vllm_trn_plugin.kernels.nki_emu import (
-    MemorySpaceError,
-    OutOfBoundsError,
-    ShapeError,
-)
+from vllm_trn_plugin.kernels.nki_emu import errors
 from vllm_trn_plugin.kernels.nki_shim import nisa, nki, nl
 
 
@@ -28,7 +24,7 @@ def test_dma_from_or_to_psum_is_rejected() -> None:
         nisa.dma_copy(dst=ps, src=x)
 
     for k in (from_psum, to_psum):
-        with pytest.raises(MemorySpaceError, match="PSUM"):
+        with pytest.raises(errors.MemorySpaceError, match="PSUM"):
             run(k, f32((4, 4)))
 
 
@@ -37,7 +33,7 @@ def test_dma_element_count_must_match() -> None:
         sb = nl.ndarray((4, 5), nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=sb, src=x)
 
-    with pytest.raises(ShapeError, match="element counts"):
+    with pytest.raises(errors.ShapeError, match="element counts"):
         run(k, f32((4, 4)))
 
 
@@ -71,9 +67,9 @@ def test_indexed_gather_skip_leaves_rows_untouched_and_counts_only_moved_bytes()
 
 def test_indexed_gather_error_names_the_index() -> None:
     data = f32((10, 6))
-    with pytest.raises(OutOfBoundsError, match=r"index -1 at partition 2"):
+    with pytest.raises(errors.OutOfBoundsError, match=r"index -1 at partition 2"):
         run(_gather_kernel(nisa.oob_mode.error), data, np.array([[0], [1], [-1]], np.int32))
-    with pytest.raises(OutOfBoundsError, match=r"index 10 at partition 0"):
+    with pytest.raises(errors.OutOfBoundsError, match=r"index 10 at partition 0"):
         run(_gather_kernel(nisa.oob_mode.error), data, np.array([[10]], np.int32))
 
 
@@ -123,6 +119,6 @@ def test_scalar_offset_from_register_and_from_sbuf_tile() -> None:
     expect[3, 3] = before[3, 2] * 2
     assert torch.equal(pool, expect)
     # slot -1: the read raises under oob_mode.error, the skip-write leaves the pool untouched
-    with pytest.raises(OutOfBoundsError, match="scalar_offset value -1"):
+    with pytest.raises(errors.OutOfBoundsError, match="scalar_offset value -1"):
         run(k, pool, torch.tensor([-1], dtype=torch.int32))
     assert torch.equal(pool, expect)

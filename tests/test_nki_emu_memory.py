@@ -12,12 +12,7 @@ import torch
 
 from tests.emulator_helpers import BF16, E4M3, f32, load, run, store
 from vllm_trn_plugin.kernels import nki_emu
-from vllm_trn_plugin.kernels.nki_emu import (
-    CapacityError,
-    DtypeError,
-    NkiValidationError,
-    PartitionLimitError,
-)
+from vllm_trn_plugin.kernels.nki_emu import errors
 from vllm_trn_plugin.kernels.nki_shim import USING_EMULATOR, nisa, nki, nl, simulate
 
 
@@ -29,7 +24,7 @@ def test_shim_uses_emulator_here_and_rejects_placeholder_nki(monkeypatch: pytest
     assert simulate is nki_emu.simulate
     # the PyPI placeholder: an importable `nki` without the API
     monkeypatch.setitem(sys.modules, "nki", types.ModuleType("nki"))
-    assert nki_shim._genuine_nki() is None
+    assert nki_shim.genuine_nki() is None
     # something that looks genuine is taken
     fake = types.ModuleType("nki")
     fake.jit = fake.simulate = lambda *a, **k: None
@@ -40,7 +35,7 @@ def test_shim_uses_emulator_here_and_rejects_placeholder_nki(monkeypatch: pytest
     monkeypatch.setitem(sys.modules, "nki", fake)
     monkeypatch.setitem(sys.modules, "nki.language", fake.language)
     monkeypatch.setitem(sys.modules, "nki.isa", fake.isa)
-    assert nki_shim._genuine_nki() == (fake, fake.language, fake.isa)
+    assert nki_shim.genuine_nki() == (fake, fake.language, fake.isa)
 
 
 # ---- poisoning, views, dtypes ---------------------------------------------------------------------------
@@ -119,13 +114,9 @@ def test_view_methods_select_permute_split_merge() -> None:
     assert np.array_equal(sel[:, 1:], x[:, 2, 1:]) and np.array_equal(sel[:, 0], x[:, 0, 0])
 
 
-def test_vector_select_gathers_rows_and_nl_load_store() -> None:
+def test_vector_select_gathers_rows() -> None:
     def k(data, idx):
-        ix = nl.load(idx)
-        rows = nl.load(data.vector_select(0, ix))
-        out = nl.ndarray(rows.shape, rows.dtype, buffer=nl.shared_hbm)
-        nl.store(out, rows)
-        return out
+        return store(load(data.vector_select(0, load(idx))))
 
     data = f32((6, 5))
     out = run(k, data, np.array([[4], [0], [4]], np.uint32))
@@ -138,7 +129,7 @@ def test_hwdge_needs_equal_dtypes() -> None:
         t = nl.ndarray(x.shape, nl.bfloat16, buffer=nl.sbuf)
         nisa.dma_copy(dst=t, src=x, dge_mode=nisa.dge_mode.hwdge)
 
-    with pytest.raises(DtypeError, match="hwdge"):
+    with pytest.raises(errors.DtypeError, match="hwdge"):
         run(k, f32((2, 2)))
 
 
@@ -147,7 +138,7 @@ def test_onchip_access_pattern_must_step_whole_partitions() -> None:
         sb = load(x)
         sb.ap([[3, 4], [1, 3]])  # partition stride != 6 elements per partition
 
-    with pytest.raises(NkiValidationError, match="partition access"):
+    with pytest.raises(errors.NkiValidationError, match="partition access"):
         run(k, f32((4, 6)))
 
 
@@ -202,7 +193,7 @@ def test_torch_dtypes_round_trip_fp8_and_bf16() -> None:
     big = torch.tensor([[448.0, -256.0, 240.0]]).to(torch.float8_e4m3fn)  # beyond Trainium2's range
     b2, _ = run(k, big, h)
     assert b2[0, :2].float().isnan().all() and b2[0, 2] == 240
-    with pytest.raises(NkiValidationError, match="int64"):
+    with pytest.raises(errors.NkiValidationError, match="int64"):
         run(k, w, torch.zeros(2, 2, dtype=torch.int64))
 
 
@@ -212,7 +203,7 @@ def test_partition_dim_over_128_is_rejected() -> None:
         nl.ndarray((129, 4), nl.float32, buffer=buf)
 
     for buf in (nl.sbuf, nl.psum):
-        with pytest.raises(PartitionLimitError, match="129"):
+        with pytest.raises(errors.PartitionLimitError, match="129"):
             run(k, buf)
     run(k, nl.shared_hbm)  # HBM has no partition dim
 
@@ -235,7 +226,7 @@ def test_psum_capacity_counts_allocation_sites_in_banks() -> None:
 
     run(k, 4)
     assert nki.last_counters().psum_bytes_per_partition == 8 * 2048
-    with pytest.raises(CapacityError, match="PSUM allocations total 18432"):
+    with pytest.raises(errors.CapacityError, match="PSUM allocations total 18432"):
         run(k, 5)
 
 
@@ -254,5 +245,5 @@ def test_sbuf_capacity_is_192_kib_per_partition_by_site() -> None:
 
     run(one_site)
     assert nki.last_counters().sbuf_bytes_per_partition == 100 * 1024
-    with pytest.raises(CapacityError, match="SBUF"):
+    with pytest.raises(errors.CapacityError, match="SBUF"):
         run(two_sites)

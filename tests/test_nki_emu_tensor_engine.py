@@ -7,13 +7,7 @@ import numpy as np
 import pytest
 
 from tests.emulator_helpers import BF16, E4M3, f32, fp8_values, load, run, store
-from vllm_trn_plugin.kernels.nki_emu import (
-    DtypeError,
-    MatmulLimitError,
-    MemorySpaceError,
-    NkiValidationError,
-    PartitionLimitError,
-)
+from vllm_trn_plugin.kernels.nki_emu import errors
 from vllm_trn_plugin.kernels.nki_shim import nisa, nki, nl
 
 
@@ -62,7 +56,7 @@ def test_nc_matmul_double_row_equals_float64_product_of_fp8_values() -> None:
 def test_nc_matmul_double_row_rejects_wrong_layouts(st_shape, mv_shape, st_dtype, match) -> None:
     st = f32(st_shape).astype(st_dtype)
     mv = f32(mv_shape).astype(E4M3 if st_dtype is E4M3 else BF16)
-    with pytest.raises(NkiValidationError, match=match):
+    with pytest.raises(errors.NkiValidationError, match=match):
         run(_matmul_kernel, st, mv, nisa.matmul_perf_mode.double_row)
 
 
@@ -71,7 +65,7 @@ def test_nc_matmul_double_row_not_with_transpose() -> None:
         ps = nl.ndarray((8, 8), nl.float32, buffer=nl.psum)
         nisa.nc_matmul(ps, load(st), load(mv), is_transpose=True, perf_mode=nisa.matmul_perf_mode.double_row)
 
-    with pytest.raises(MatmulLimitError, match="is_transpose"):
+    with pytest.raises(errors.MatmulLimitError, match="is_transpose"):
         run(k, fp8_values((8, 2, 8)), fp8_values((8, 2, 8)))
 
 
@@ -118,20 +112,20 @@ def test_nc_matmul_limits_and_memory_spaces() -> None:
     ok = ((128, 128), (128, 512), (128, 512), nl.psum, nl.sbuf, nl.float32)
     run(k, *ok)
     bad = [
-        (((128, 129), (128, 8), (129, 8)), PartitionLimitError),  # dst partition = stationary free 129
-        (((64, 128), (64, 513), (128, 513)), MatmulLimitError),
-        (((64, 8), (32, 8), (8, 8)), MatmulLimitError),
+        (((128, 129), (128, 8), (129, 8)), errors.PartitionLimitError),  # dst partition = stationary free 129
+        (((64, 128), (64, 513), (128, 513)), errors.MatmulLimitError),
+        (((64, 8), (32, 8), (8, 8)), errors.MatmulLimitError),
     ]
     for shapes, err in bad:
         with pytest.raises(err):
             run(k, *shapes, nl.psum, nl.sbuf, nl.float32)
-    with pytest.raises(MatmulLimitError, match="stationary free size 200"):
+    with pytest.raises(errors.MatmulLimitError, match="stationary free size 200"):
         run(k, (64, 200), (64, 8), (128, 8), nl.psum, nl.sbuf, nl.float32)
-    with pytest.raises(MemorySpaceError, match="dst"):
+    with pytest.raises(errors.MemorySpaceError, match="dst"):
         run(k, (64, 8), (64, 8), (8, 8), nl.sbuf, nl.sbuf, nl.float32)
-    with pytest.raises(MemorySpaceError, match="stationary"):
+    with pytest.raises(errors.MemorySpaceError, match="stationary"):
         run(k, (64, 8), (64, 8), (8, 8), nl.psum, nl.psum, nl.float32)
-    with pytest.raises(DtypeError, match="float32"):
+    with pytest.raises(errors.DtypeError, match="float32"):
         run(k, (64, 8), (64, 8), (8, 8), nl.psum, nl.sbuf, nl.bfloat16)
 
 
@@ -144,7 +138,7 @@ def test_nc_matmul_output_must_fit_one_psum_bank() -> None:
 
     run(k, 0)
     run(k, 512)
-    with pytest.raises(MatmulLimitError, match="bank"):
+    with pytest.raises(errors.MatmulLimitError, match="bank"):
         run(k, 256)
 
 
@@ -174,9 +168,9 @@ def test_nc_transpose_rejects_fp8_and_oversize() -> None:
         nisa.nc_transpose(dst=ps, data=load(x), engine=engine)
         return store(ps)
 
-    with pytest.raises(DtypeError, match="fp8"):
+    with pytest.raises(errors.DtypeError, match="fp8"):
         run(k, fp8_values((8, 8)), nl.float8_e4m3, nisa.engine.unknown)
     x = f32((32, 32))
     assert np.array_equal(run(k, x, nl.float32, nisa.engine.vector), x.T)
-    with pytest.raises(MatmulLimitError, match=r"\[32, 32\]"):
+    with pytest.raises(errors.MatmulLimitError, match=r"\[32, 32\]"):
         run(k, f32((8, 33)), nl.float32, nisa.engine.vector)

@@ -10,12 +10,7 @@ import pytest
 import torch
 
 from tests.emulator_helpers import BF16, RNG, f32, load, run, store
-from vllm_trn_plugin.kernels.nki_emu import (
-    DtypeError,
-    MemorySpaceError,
-    NkiValidationError,
-    ShapeError,
-)
+from vllm_trn_plugin.kernels.nki_emu import errors
 from vllm_trn_plugin.kernels.nki_shim import nisa, nl
 
 
@@ -71,7 +66,7 @@ def test_activation_reduce_registers_reset_reduce_idle() -> None:
         s2 = nl.ndarray((16, 1), nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=y, op=nl.copy, data=sx, reduce_op=nl.add, reduce_res=s2, reduce_cmd=nisa.reduce_cmd.reduce)
         s3 = nl.ndarray((16, 1), nl.float32, buffer=nl.sbuf)
-        nisa.activation_reduce(dst=y, op=nl.copy, data=sx, reduce_op=nl.add, reduce_res=s3)
+        nisa.activation(dst=y, op=nl.copy, data=sx, reduce_res=s3, reduce_cmd=nisa.reduce_cmd.reset_reduce)
         return store(stale), store(s1), store(s2), store(s3)
 
     stale, s1, s2, s3 = run(k, x)
@@ -119,7 +114,7 @@ def test_divide_is_not_an_isa_operator() -> None:
         x = load(a)
         nisa.tensor_tensor(dst=x, data1=x, data2=x, op=nl.divide)
 
-    with pytest.raises(NkiValidationError, match="reciprocal"):
+    with pytest.raises(errors.NkiValidationError, match="reciprocal"):
         run(k, f32((2, 2)))
 
 
@@ -154,9 +149,9 @@ def test_elementwise_shape_rules() -> None:
         return store(o)
 
     assert (run(k, (8, 6), (8, 2, 3), nl.sbuf, nl.psum) == 0).all()  # same elements per partition suffice
-    with pytest.raises(ShapeError, match="same partition count"):
+    with pytest.raises(errors.ShapeError, match="same partition count"):
         run(k, (8, 6), (4, 12), nl.sbuf, nl.sbuf)
-    with pytest.raises(MemorySpaceError, match="both be in PSUM"):
+    with pytest.raises(errors.MemorySpaceError, match="both be in PSUM"):
         run(k, (8, 6), (8, 6), nl.psum, nl.psum)
 
 
@@ -222,7 +217,7 @@ def test_tensor_reduce_over_trailing_axes_with_negate() -> None:
         d = nl.ndarray((8, 5), nl.float32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=d, op=nl.add, data=load(x), axis=1)
 
-    with pytest.raises(NkiValidationError, match="trailing free dims"):
+    with pytest.raises(errors.NkiValidationError, match="trailing free dims"):
         run(bad, x)
 
 
@@ -254,53 +249,31 @@ def test_tensor_copy_memset_iota_reciprocal() -> None:
     def bad(x):
         nisa.memset(dst=nl.ndarray((8, 3), nl.int32, buffer=nl.sbuf), value=2.0)
 
-    with pytest.raises(DtypeError, match="integer value"):
+    with pytest.raises(errors.DtypeError, match="integer value"):
         run(bad, x)
 
 
-def test_predicated_copy_and_selects() -> None:
+def test_predicated_copy_and_range_select() -> None:
     x = f32((8, 12))
     pred = (RNG.random((8, 12)) > 0.5).astype(np.uint8)
-    bound = RNG.integers(0, 12, (8, 1)).astype(np.float32)
+    lo = RNG.integers(0, 16, (8, 1)).astype(np.float32)
+    hi = lo + RNG.integers(0, 6, (8, 1)).astype(np.float32)
+    hi[0] = lo[0]  # an empty range: every element masked
 
-    def k(x, pred, bound):
+    def k(x, pred, lo, hi):
         sx, sp = load(x), load(pred)
         d = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=d, value=-1.0)
         nisa.tensor_copy_predicated(dst=d, src=sx, predicate=sp)
-        a = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
-        nisa.affine_select(a, [[1, 12]], -1, sx, -9.0, cmp_op=nl.greater_equal)  # keep j >= p (causal)
         r = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
         rmax = nl.ndarray((8, 1), nl.float32, buffer=nl.sbuf)
-        sb = load(bound)
-        nisa.range_select(r, sx, nl.greater_equal, nl.less, bound0=sb, bound1=sb, reduce_res=rmax)  # empty range
-        return store(d), store(a), store(r), store(rmax)
-
-    d, a, r, rmax = run(k, x, pred, bound)
-    assert np.array_equal(d, np.where(pred != 0, x, -1))
-    jj, pp = np.meshgrid(np.arange(12), np.arange(8))
-    assert np.array_equal(a, np.where(jj - pp >= 0, x, -9))
-    fmin = np.finfo(np.float32).min
-    assert (r == fmin).all() and (rmax == fmin).all()
-
-
-def test_tensor_scalar_reduce_and_select_reduce() -> None:
-    x = f32((16, 20))
-    pred = (RNG.random((16, 20)) > 0.3).astype(np.uint8)
-
-    def k(x, pred):
-        sx = load(x)
-        y = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
-        amax = nl.ndarray((16, 1), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar_reduce(dst=y, data=sx, op0=nl.abs, operand0=0.0, reduce_op=nl.maximum, reduce_res=amax)
-        z = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
-        zmax = nl.ndarray((16, 1), nl.float32, buffer=nl.sbuf)
-        nisa.select_reduce(
-            z, load(pred), sx, -1e30, reduce_res=zmax, reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_op=nl.maximum
+        nisa.range_select(
+            r, sx, nl.greater_equal, nl.less, bound0=load(lo), bound1=load(hi), reduce_res=rmax, range_start=4
         )
-        return store(y), store(amax), store(z), store(zmax)
+        return store(d), store(r), store(rmax)
 
-    y, amax, z, zmax = run(k, x, pred)
-    assert np.array_equal(y, np.abs(x)) and np.array_equal(amax[:, 0], np.abs(x).max(1))
-    zz = np.where(pred != 0, x, np.float32(-1e30))
-    assert np.array_equal(z, zz) and np.array_equal(zmax[:, 0], zz.max(1))
+    d, r, rmax = run(k, x, pred, lo, hi)
+    assert np.array_equal(d, np.where(pred != 0, x, -1))
+    j = np.arange(12)[None, :] + 4  # element j of a row stands for index j + range_start
+    expect = np.where((j >= lo) & (j < hi), x, np.finfo(np.float32).min)
+    assert np.array_equal(r, expect) and np.array_equal(rmax[:, 0], expect.max(1))

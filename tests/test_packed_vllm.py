@@ -9,20 +9,15 @@ printed (run with -s) and bounded below.
 
 Rounding activations to FP8 (3 mantissa bits) turns float32 noise into jumps: an input that the engine (float32,
 chunked prefill, oneDNN GEMMs) and the reference (float64) hold a few ulps apart, close to an FP8 rounding midpoint,
-rounds to neighbouring FP8 values 2^-4 apart, and the recurrent state / the KV cache carries that forward. The
-reference shows the same when its own activations are perturbed by 1e-7 (relative) before rounding: jumps of 0.1-0.3
-in a logit at some steps, ~1e-6 at the others (MLA-Trinity, 7-token prompt, 4 noise seeds). Even a 7-token MLA-
-Trinity prompt can flip in its prefill (measured 0.23 at step 0 for one prompt, 5e-6 for another). Which flips
-happen depends on the CPU's GEMM kernels: on an AVX2-only machine (AMD EPYC) the served MLA-Trinity differs from
-the exact reference by 0.16-0.47 at every step of a 7-token prompt and 0.35-0.56 of a 40-token one, from step 0
-(the FP8 LM head's own activation rounding), with the plugin's code unchanged since a run elsewhere measured under
-0.5; the reference's perturbed runs differ from its exact one by up to 0.32. So MLA-Trinity's reference is the run
-nearest to the served one among the exact run and four perturbed ones (`packed_reference.nearest_reference_run`:
-each an equally valid FP8 forward), and FLIP_TOL is 1.0. The checks are: Laplace's one-token prompt, too few
-roundings to flip, equal to EXACT_TOL at its first step (measured 2e-6); every short prompt's logits within
-FLIP_TOL at every step (the quantization itself moves logits by 3-5 against the unquantized model, a wiring error
-by more); clear argmaxes chosen; long prompts the same function (cosine); and op-level exactness in
-tests/test_fp8_matmul.py.
+rounds to neighbouring FP8 values 2^-4 apart, and the recurrent state / the KV cache carries that forward; which
+flips happen depends on the CPU's GEMM kernels. The reference shows the same jumps when its own activations are
+perturbed by 1e-7 (relative) before rounding, so MLA-Trinity's reference is the run nearest to the served one among
+the exact run and four perturbed ones (`nearest_reference_run`: each an equally valid FP8 forward), within FLIP_TOL
+(docs/packed-format.md, "Serving tests and FP8 rounding flips", has the sizes seen). The checks are: Laplace's
+one-token prompt, too few roundings to flip, equal to EXACT_TOL at its first step; every short prompt's logits
+within FLIP_TOL at every step (the quantization itself moves logits by several units against the unquantized model,
+a wiring error by more); clear argmaxes chosen; long prompts the same function (cosine); and op-level exactness in
+tests/test_fp8_expert.py.
 """
 
 from __future__ import annotations
@@ -35,11 +30,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import greedy_logits, random_prompts, worker_functions_allowed
-from tests.references.afmoe import convert_to_mla, hf_greedy, load_hf_model, make_random_afmoe
+from tests.helpers import cosine, greedy_logits, random_prompts, raw_logits_llm, worker_functions_allowed
+from tests.references.afmoe import (
+    convert_to_mla,
+    hf_greedy,
+    load_hf_model,
+    make_random_afmoe,
+    teacher_forced_logits,
+)
 from tests.references.laplace import LaplaceReference
 from tests.references.packed import load_packed, nearest_reference_run, patch_afmoe_fp8
-from vllm_trn_plugin.loaders.mxfp4 import CheckpointFormatError
+from vllm_trn_plugin.loaders.io import CheckpointFormatError
 from vllm_trn_plugin.loaders.packed import pack
 from vllm_trn_plugin.model_executors.mxfp4_fp8 import packed_weights
 
@@ -55,22 +56,6 @@ EXACT_TOL = 1e-4
 LONG_COSINE = 0.99
 
 
-def _engine(model: Path, **kw):  # noqa: ANN003, ANN202
-    from vllm import LLM
-
-    return LLM(
-        model=str(model),
-        dtype="float32",
-        max_model_len=1024,
-        max_num_batched_tokens=256,
-        max_num_seqs=8,
-        max_logprobs=VOCAB,
-        logprobs_mode="raw_logits",
-        seed=0,
-        **kw,
-    )
-
-
 def _served(llm, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:  # noqa: ANN001
     return greedy_logits(llm, prompts, STEPS, VOCAB)
 
@@ -80,10 +65,10 @@ def _check(what: str, prompt_len: int, tokens: list[int], got: torch.Tensor, ref
     each token is the reference argmax unless tied."""
     err = float((got - ref).abs().max())
     if prompt_len > SHORT:
-        assert _cosine(got, ref) > LONG_COSINE, f"{what}: logits cosine {_cosine(got, ref):.4f} vs the FP8 reference"
+        assert cosine(got, ref) > LONG_COSINE, f"{what}: logits cosine {cosine(got, ref):.4f} vs the FP8 reference"
         return err
     assert err < FLIP_TOL, f"{what}: max |logit diff| {err:.2e} vs the FP8 reference"
-    if prompt_len == 1:  # four layers' worth of roundings: no flip (measured 2e-6, and stable)
+    if prompt_len == 1:  # four layers' worth of roundings: too few to flip
         first = float((got[0] - ref[0]).abs().max())
         assert first < EXACT_TOL, f"{what}: prefill logits differ by {first:.2e} from the FP8 reference"
     for i, tok in enumerate(tokens):
@@ -97,10 +82,6 @@ def _fmt(lengths: list[int], errs: list[float]) -> str:
     return ", ".join(f"{n}: {e:.1e}" for n, e in zip(lengths, errs))
 
 
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
-
-
 def _laplace_logits(ref: LaplaceReference, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """Reference logits at every generated step, feeding the served tokens (teacher forcing)."""
     state = ref.new_state()
@@ -111,12 +92,6 @@ def _laplace_logits(ref: LaplaceReference, prompt: list[int], tokens: list[int])
         rows.append(ref.step(tok, state))
         tok = nxt
     return torch.stack(rows)
-
-
-@torch.no_grad()
-def _hf_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:  # noqa: ANN001
-    ids = torch.tensor([prompt + tokens[:-1]])
-    return model(input_ids=ids).logits[0, len(prompt) - 1 :].double()
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +109,7 @@ def trinity_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def test_laplace_packed_equals_fp8_reference(laplace_packed: Path, laplace_ckpt: Path) -> None:
     prompts = random_prompts(len(LAPLACE_LENGTHS), LAPLACE_LENGTHS, seed=21)
-    llm = _engine(laplace_packed, kv_cache_memory_bytes=256 << 20)
+    llm = raw_logits_llm(laplace_packed, VOCAB)
     try:
         served = _served(llm, prompts)
     finally:
@@ -145,7 +120,7 @@ def test_laplace_packed_equals_fp8_reference(laplace_packed: Path, laplace_ckpt:
     for prompt, (tokens, logits) in zip(prompts, served):
         want = _laplace_logits(ref, prompt, tokens)
         errs.append(_check(f"Laplace, prompt of {len(prompt)}", len(prompt), tokens, logits, want))
-        cos.append(_cosine(logits, _laplace_logits(plain, prompt, tokens)))
+        cos.append(cosine(logits, _laplace_logits(plain, prompt, tokens)))
         agree += sum(a == b for a, b in zip(tokens, plain.greedy(prompt, STEPS).tokens))
     print(
         f"\nLaplace packed vs FP8 reference, max |logit diff| by prompt length: {_fmt(LAPLACE_LENGTHS, errs)}; "
@@ -157,7 +132,7 @@ def test_laplace_packed_equals_fp8_reference(laplace_packed: Path, laplace_ckpt:
 def test_trinity_packed_equals_fp8_reference(trinity_dirs: tuple[Path, Path]) -> None:
     mla, packed = trinity_dirs
     prompts = random_prompts(len(TRINITY_LENGTHS), TRINITY_LENGTHS, seed=22)
-    llm = _engine(packed, kv_cache_memory_bytes=256 << 20)
+    llm = raw_logits_llm(packed, VOCAB)
     try:
         served = _served(llm, prompts)
         alone = _served(llm, prompts[:1])[0]
@@ -167,9 +142,9 @@ def test_trinity_packed_equals_fp8_reference(trinity_dirs: tuple[Path, Path]) ->
     ref = patch_afmoe_fp8(copy.deepcopy(plain), *load_packed(packed))
     errs, cos, agree = [], [], 0
     for prompt, (tokens, logits) in zip(prompts, served):
-        want = nearest_reference_run(logits, functools.partial(_hf_logits, ref, prompt, tokens))
+        want = nearest_reference_run(logits, functools.partial(teacher_forced_logits, ref, prompt, tokens))
         errs.append(_check(f"MLA-Trinity, prompt of {len(prompt)}", len(prompt), tokens, logits, want))
-        cos.append(_cosine(logits, _hf_logits(plain, prompt, tokens)))
+        cos.append(cosine(logits, teacher_forced_logits(plain, prompt, tokens)))
         agree += sum(a == b for a, b in zip(tokens, hf_greedy(plain, prompt, STEPS)["tokens"]))
     assert alone[0] == served[0][0], "batched and alone differ"
     print(
@@ -221,7 +196,7 @@ def _serve_opt_in(
     bad: Path, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
 ) -> tuple[list[tuple[list[int], torch.Tensor]], str]:
     monkeypatch.setenv("VLLM_TRN_ALLOW_BF16", "1")
-    llm = _engine(bad, kv_cache_memory_bytes=256 << 20)
+    llm = raw_logits_llm(bad, VOCAB)
     try:
         served = _served(llm, prompts)
     finally:
@@ -320,14 +295,13 @@ def test_bf16_opt_in_served_unquantized_and_reported(
     assert unquantized <= fp8 and "lm_head" in fp8
     ref = patch_afmoe_fp8(copy.deepcopy(load_hf_model(mla)), weights, fp8 - unquantized)
     for prompt, (tokens, logits) in zip(prompts, served):
-        want = nearest_reference_run(logits, functools.partial(_hf_logits, ref, prompt, tokens))
+        want = nearest_reference_run(logits, functools.partial(teacher_forced_logits, ref, prompt, tokens))
         _check(f"bf16 opt-in, prompt of {len(prompt)}", len(prompt), tokens, logits, want)
 
 
 # Tensor and expert parallelism (two CPU workers over gloo). Each engine is checked against the reference doing its
-# own rounding (packed_reference.patch_afmoe_fp8's `tp`): a tensor-parallel rank rounds its own slice of each
-# down_proj input, so TP=2 and TP=1 are different FP8 forwards (measured on a 30-token prompt: TP=2 within 5e-4 of
-# its reference and 0.6 from TP=1's; EP=2, whose routed experts are whole on one rank, likewise to its own).
+# own rounding (patch_afmoe_fp8's `tp`): a tensor-parallel rank rounds its own slice of each down_proj input, so TP=2
+# and TP=1 are different FP8 forwards; under expert parallelism (EP=2) the routed experts are whole on one rank.
 LAYOUTS = {
     "TP=2": (dict(tensor_parallel_size=2), dict(tp=2)),
     "EP=2": (dict(tensor_parallel_size=2, enable_expert_parallel=True), dict(tp=2, expert_tp=1)),
@@ -442,7 +416,7 @@ def test_trinity_packed_sharded_equals_its_fp8_reference(
     engine_kw, rounding = LAYOUTS[layout]
     prompts = random_prompts(len(TRINITY_LENGTHS), TRINITY_LENGTHS, seed=22)
     with worker_functions_allowed():
-        llm = _engine(packed, kv_cache_memory_bytes=128 << 20, enforce_eager=True, **engine_kw)
+        llm = raw_logits_llm(packed, VOCAB, kv_cache_memory_bytes=128 << 20, enforce_eager=True, **engine_kw)
         try:
             ranks = llm.apply_model(_fp8_shards)
             served = _served(llm, prompts)
@@ -454,7 +428,7 @@ def test_trinity_packed_sharded_equals_its_fp8_reference(
     ref = patch_afmoe_fp8(copy.deepcopy(load_hf_model(mla)), weights, fp8, **rounding)
     errs = []
     for prompt, (tokens, logits) in zip(prompts, served):
-        want = nearest_reference_run(logits, functools.partial(_hf_logits, ref, prompt, tokens))
+        want = nearest_reference_run(logits, functools.partial(teacher_forced_logits, ref, prompt, tokens))
         errs.append(_check(f"MLA-Trinity {layout}, prompt of {len(prompt)}", len(prompt), tokens, logits, want))
     print(
         f"\nMLA-Trinity packed at {layout}: {compared} per-rank FP8 matrices exact; max |logit diff| vs its FP8 "

@@ -1,12 +1,12 @@
-"""`vllm-trn quantize`: MXFP4 GPTQ with bias correction, in the packed format (vllm_trn_plugin/quantize.py, gptq.py).
+"""`vllm-trn quantize`: MXFP4 GPTQ with bias correction, in the packed format (tools/quantize.py, tools/gptq.py).
 
 The checks read the tool's output with the independent float64 reader of tests/references/packed.py (MXFP4 decoded by
 table, FP8 activations by ml_dtypes' Trainium2 E4M3) inside transformers' `AfmoeForCausalLM`, and compare with the
 unquantized model and with `vllm-trn pack` (round-to-nearest, the baseline). The checkpoint is a random MLA-Trinity
 (convert-mla of a random AFMoE at its exact latent 256). Calibration is 64 x 128 tokens: 16 per input of the dense MLP,
 ~4 per input of an expert (top-2 of 8; at full size the default threshold means >= 8). With fewer, GPTQ fits the
-calibration set and loses to round-to-nearest on held-out data (measured: 2048 tokens, MoE layers 4.6% vs 4.4%). The
-RTN threshold is set to fall among the experts' token counts; the default, 16384, is checked where it is defined.
+calibration set and loses to round-to-nearest on held-out data (docs/checkpoint-tools.md). The RTN threshold is set
+to fall among the experts' token counts; the default, 16384, is checked where it is defined.
 """
 
 from __future__ import annotations
@@ -14,21 +14,38 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import math
+import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import random_prompts, read_safetensors_dir, token_prompts
-from tests.references.afmoe import clear_model_cache, load_hf_model, make_random_afmoe
-from tests.references.packed import fp8_activation, fp8_matmul, load_packed, patch_afmoe_fp8
+from tests.helpers import cosine, random_prompts, read_safetensors_dir, served_greedy_logits
+from tests.references.afmoe import clear_model_cache, load_hf_model, make_random_afmoe, teacher_forced_logits
+from tests.references.packed import (
+    ct_decompress,
+    expanded_values,
+    fp8_activation,
+    fp8_matmul,
+    load_packed,
+    patch_afmoe_fp8,
+)
 from vllm_trn_plugin.cli import main as cli
-from vllm_trn_plugin.loaders.mxfp4 import MAX_ROW_SPREAD, expand_rows, quantize_rtn
-from vllm_trn_plugin.loaders.packed import is_packed_checkpoint, iter_checkpoint, pack
+from vllm_trn_plugin.loaders.mxfp4 import (
+    MAX_ROW_SPREAD,
+    decode_mxfp4,
+    expand_rows,
+    limit_spread,
+    pack_codes,
+    quantize_codes,
+    quantize_rtn,
+    round_to_grid,
+    rtn_exponents,
+)
+from vllm_trn_plugin.loaders.packed import declares_packed, iter_checkpoint
 from vllm_trn_plugin.tools.convert_mla import convert_mla
-from vllm_trn_plugin.tools.gptq import gptq, limit_spread, rtn_exponents
+from vllm_trn_plugin.tools.gptq import gptq
 from vllm_trn_plugin.tools.quantize import QuantizeOptions
 
 SEQ = 128
@@ -47,16 +64,18 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     mla = convert_mla(orig, root / "mla", latent=256, calib=CALIB[:8], progress=False).dst  # exact: any data
     calib = root / "calib.pt"
     torch.save(CALIB, calib)
-    gptq_dir = root / "gptq"
+    gptq_dir, rtn_dir = root / "gptq", root / "rtn"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         cli(
             ["quantize", str(mla), str(gptq_dir), "--calib", str(calib), "--calib-tokens", str(CALIB.numel())]
             + ["--seq-len", str(SEQ), "--rtn-threshold", str(THRESHOLD), "--measure"]
         )
+        log = out.getvalue()
+        cli(["pack", str(mla), str(rtn_dir)])
     print(out.getvalue())
-    (root / "quantize.log").write_text(out.getvalue())
-    return {"mla": mla, "gptq": gptq_dir, "rtn": pack(mla, root / "rtn").dst, "log": root / "quantize.log"}
+    (root / "quantize.log").write_text(log)
+    return {"mla": mla, "gptq": gptq_dir, "rtn": rtn_dir, "log": root / "quantize.log"}
 
 
 class _Stop(Exception):
@@ -92,7 +111,7 @@ def _rel_mse(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def test_output_loads_exactly_and_is_declared(dirs: dict[str, Path]) -> None:
-    assert is_packed_checkpoint(dirs["gptq"])
+    assert declares_packed(json.loads((dirs["gptq"] / "config.json").read_text())["quantization_config"])
     names = dict(iter_checkpoint(dirs["gptq"]))  # no VLLM_TRN_ALLOW_BF16: every row expands exactly to FP8
     assert names["lm_head.weight"].is_fp8
     assert names["model.layers.1.mlp.experts.0.down_proj.weight"].is_fp8
@@ -183,6 +202,24 @@ def test_rtn_fallback_below_threshold(dirs: dict[str, Path]) -> None:
     assert fallback and solved
 
 
+def test_compressed_tensors_decodes_every_packed_matrix_as_the_plugin(dirs: dict[str, Path]) -> None:
+    """The files `vllm-trn quantize` and `vllm-trn pack` write, read by compressed-tensors itself (its target matching
+    on config.json's declaration, its MXFP4 and FP8 decompressors): it finds exactly the stored quantized matrices,
+    and each decodes bit for bit to the plugin's `decode_mxfp4` and to the loader's FP8 rows times their row scales
+    (the LM head: its FP8 weight times its channel scales)."""
+    for kind in ("gptq", "rtn"):
+        ct = ct_decompress(dirs[kind])
+        stored = read_safetensors_dir(dirs[kind])
+        mxfp4 = {n.removesuffix(".weight_packed") for n in stored if n.endswith(".weight_packed")}
+        assert set(ct) == mxfp4 | {"lm_head"} and len(mxfp4) == 3 + 3 * (8 + 1) * 3, (kind, sorted(set(ct) ^ mxfp4))
+        loaded = dict(iter_checkpoint(dirs[kind]))
+        for m in sorted(mxfp4):
+            decoded = decode_mxfp4(stored[m + ".weight_packed"], stored[m + ".weight_scale"])
+            assert torch.equal(decoded.double(), ct[m]), (kind, m)
+            assert torch.equal(expanded_values(loaded[m + ".weight"]), ct[m]), (kind, m)
+        assert torch.equal(expanded_values(loaded["lm_head.weight"]), ct["lm_head"]), kind
+
+
 def test_far_blocks_are_clamped_to_loadable_rows() -> None:
     """A row whose natural block exponents span 20 octaves is written within 13 (the FP8 expansion's exactness
     rule), and GPTQ with act-order and Hessian-weighted exponents beats RTN on its layer output."""
@@ -194,14 +231,10 @@ def test_far_blocks_are_clamped_to_loadable_rows() -> None:
     assert int(rtn_exponents(w[0, 3]).max() - rtn_exponents(w[0, 3]).min()) >= 20
     q, exp = gptq(w, h.clone())
     assert int(exp.amax(-1).sub(exp.amin(-1)).max()) <= MAX_ROW_SPREAD
-    from vllm_trn_plugin.tools.gptq import pack_codes, quantize_codes
-
-    codes = pack_codes(quantize_codes(q, exp))
+    codes = pack_codes(quantize_codes(q, exp, exact=True))
     m = expand_rows(codes, (exp + 127).to(torch.uint8), file="test", tensor="w")
-    assert m.is_fp8 and torch.equal(m.dequantize(), q)
+    assert m.is_fp8 and torch.equal(expanded_values(m), q.double())
     rtn_exp = limit_spread(rtn_exponents(w))
-    from vllm_trn_plugin.tools.gptq import round_to_grid
-
     rtn = round_to_grid(w, rtn_exp.repeat_interleave(32, -1))
 
     def err(qq: torch.Tensor) -> float:
@@ -217,12 +250,12 @@ def test_token_chunks_change_nothing_but_rounding(
     with chunks of 1000 tokens (9 per layer here, uneven last chunk, experts' token lists split too) the output
     is the one-chunk output but for float32 summation order: every unquantized tensor and RTN matrix byte for
     byte, each layer's served MLP output error (computed from the chunked outputs) within 1%. GPTQ's codes are
-    not compared: its error feedback carries any rounding difference in H forward (measured: ~9% of codes
-    differ between the two summation orders, at equal error)."""
-    from vllm_trn_plugin import afmoe_layers
-    from vllm_trn_plugin import quantize as quantize_mod
+    not compared: its error feedback carries any rounding difference in H forward, so many codes differ between the
+    two summation orders, at equal error."""
+    from vllm_trn_plugin.tools import afmoe_forward
+    from vllm_trn_plugin.tools import quantize as quantize_mod
 
-    for mod in (afmoe_layers, quantize_mod):
+    for mod in (afmoe_forward, quantize_mod):
         monkeypatch.setattr(mod, "MLP_CHUNK_TOKENS", 1000)
     opts = QuantizeOptions(rtn_threshold=THRESHOLD, measure=True)
     report = quantize_mod.quantize(dirs["mla"], tmp_path / "chunked", calib=CALIB, options=opts, progress=False)
@@ -246,42 +279,17 @@ def test_converted_and_quantized_checkpoint_serves(dirs: dict[str, Path]) -> Non
     """convert-mla -> quantize output in real vLLM: greedy tokens; logits equal (cosine) to the independent FP8
     reference reading of the same files (tests/references/packed.py) along the served path, and close to the
     unquantized converted model."""
-    from vllm import LLM, SamplingParams
-
     prompts = random_prompts(2, [9, 90], seed=31)
     steps = 8
-    llm = LLM(
-        model=str(dirs["gptq"]),
-        dtype="float32",
-        max_model_len=512,
-        max_num_batched_tokens=256,
-        max_num_seqs=4,
-        max_logprobs=VOCAB,
-        logprobs_mode="raw_logits",
-        kv_cache_memory_bytes=128 << 20,
-        enforce_eager=True,  # compiled mode is covered by test_packed_vllm; this checks the checkpoint
-        seed=0,
-    )
-    try:
-        params = SamplingParams(max_tokens=steps, temperature=0.0, logprobs=VOCAB, ignore_eos=True)
-        outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
-    finally:
-        del llm
+    # Eager: compiled mode is covered by test_packed_vllm; this checks the checkpoint.
+    served = served_greedy_logits(dirs["gptq"], prompts, steps, VOCAB, enforce_eager=True)
     plain = load_hf_model(dirs["mla"])
     fp8_ref = patch_afmoe_fp8(copy.deepcopy(plain), *load_packed(dirs["gptq"]))
     cos_ref, cos_plain = [], []
-    for prompt, o in zip(prompts, outs):
-        c = o.outputs[0]
-        assert len(c.token_ids) == steps
-        got = torch.full((steps, VOCAB), -math.inf, dtype=torch.float64)
-        for i, top in enumerate(c.logprobs):
-            for tok, lp in top.items():
-                got[i, tok] = lp.logprob
-        ids = torch.tensor([prompt + list(c.token_ids)[:-1]])  # teacher forcing along the served tokens
-        for model, out in ((fp8_ref, cos_ref), (plain, cos_plain)):
-            with torch.no_grad():
-                ref = model(input_ids=ids).logits[0, len(prompt) - 1 :].double()
-            out.append(float(torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0)))
+    for prompt, (tokens, got) in zip(prompts, served):
+        assert len(tokens) == steps
+        cos_ref.append(cosine(got, teacher_forced_logits(fp8_ref, prompt, tokens)))
+        cos_plain.append(cosine(got, teacher_forced_logits(plain, prompt, tokens)))
     clear_model_cache()
     print(
         f"\nserved logits cosine vs the FP8 reference of the same files: {[f'{c:.4f}' for c in cos_ref]}; "

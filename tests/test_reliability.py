@@ -1,10 +1,8 @@
 """Reliability on the session's `vllm-trn serve` servers of the float32 demo checkpoints (conftest `servers`,
-eager, 4096-token context, vLLM's CPU defaults of 128 sequences and 2048 batched tokens): a CI-sized run of
-`deploy/soak.py` (the full soak and the reasoning behind each check are there). float32, as the soak's default, so
-that "equal to alone" can be tight: in bf16 on an AVX2-only CPU a batch's composition moved MLA-Trinity's logprobs
-by up to 0.08 nats where the tokens agreed, and 16 of 256 streams diverged by more than the bf16 tie tolerance,
-the same before this file's last change (not diagnosed further: a flipped expert choice of the sigmoid router is
-the likely amplifier; `deploy/soak.py --dtype bfloat16` reproduces it).
+eager, 4096-token context, vLLM's CPU defaults of 128 sequences and 2048 batched tokens): a CI-sized run of the
+soak (`vllm_trn_plugin.bench.soak`: the full soak and the reasoning behind each check are there). float32, as the
+soak's default, so that "equal to alone" can be tight: in bf16 a batch's composition moves MLA-Trinity's logprobs
+by more than the bf16 tie tolerance on some streams (`deploy/soak.py --dtype bfloat16` shows it).
 
 - One wave of 256 streaming requests opened at once (vLLM runs 128 and queues the rest), a quarter of the
   clients disconnecting after a random number of tokens (1 to 6 of 8): every other stream complete and
@@ -12,7 +10,7 @@ the likely amplifier; `deploy/soak.py --dtype bfloat16` reproduces it).
   tie tolerance counts as a tie, at most 5% of streams), the disconnected ones a prefix of it, the pool
   empty and nothing running or waiting after the wave, the server's counters consistent with the streams, the
   server's resident memory recorded before and after, and a probe served alone still equal to its reference.
-- The malformed-input sweep (`soak.malformed_cases`, less the one case needing a 4k-token prefill): no
+- The malformed-input sweep (`malformed.malformed_cases`, less the one case needing a 4k-token prefill): no
   5xx, no hang (60 s timeouts), 4xx for every invalid request vLLM does not accept by design; then
   /health 200 and a normal request equal to the same request before the sweep.
 """
@@ -20,19 +18,16 @@ the likely amplifier; `deploy/soak.py --dtype bfloat16` reproduces it).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import requests
 
-pytestmark = pytest.mark.vllm
+from vllm_trn_plugin.bench import soak
+from vllm_trn_plugin.bench.client import Target
+from vllm_trn_plugin.bench.malformed import malformed_cases, run_sweep
+from vllm_trn_plugin.bench.ties import TIE_MARGIN_BY_DTYPE
 
-_spec = importlib.util.spec_from_file_location("soak", Path(__file__).resolve().parents[1] / "deploy" / "soak.py")
-soak = importlib.util.module_from_spec(_spec)
-sys.modules["soak"] = soak
-_spec.loader.exec_module(soak)
+pytestmark = pytest.mark.vllm
 
 WAVE = soak.SoakConfig(
     waves=1,
@@ -41,7 +36,7 @@ WAVE = soak.SoakConfig(
     prompts=16,
     prompt_len="uniform:4-40",  # short: a CPU prefill of MLA-Trinity is slow (8-160 took 190 s a wave in bf16)
     output_len=8,
-    tie_tol=soak.TIE_TOL["float32"],
+    tie_tol=TIE_MARGIN_BY_DTYPE["float32"],
     sweep=False,
     seed=11,
 )
@@ -64,17 +59,17 @@ def test_wave_of_256_streams_with_disconnects(server) -> None:  # noqa: ANN001
     assert w["streams"] == 256 and w["peak_in_flight"] == 256  # all sent before any could end
     assert w["planned_disconnects"] == 64 and w["disconnected"] <= 64
     assert w["completed"] + w["disconnected"] == 256
-    # One wave cannot show a trend (deploy/soak.py judges that over waves); it must not balloon either.
+    # One wave cannot show a trend (the soak judges that over waves); it must not balloon either.
     assert w["rss_total"] < 1.5 * rss_before, (w["rss_total"], rss_before)
     assert server.proc.poll() is None
 
 
 def test_malformed_sweep_no_5xx_and_server_still_correct(server) -> None:  # noqa: ANN001
-    target = soak.Target(server.url, server.model)
+    target = Target(server.url, server.model)
     (prompt,) = soak.soak_prompts(1, "40", 8, seed=5)
     (before,) = asyncio.run(soak.serve_alone(target, [prompt]))
-    cases = [c for c in soak.malformed_cases() if not c.slow]
-    results = soak.run_sweep(server.url, server.model, cases, timeout=60)
+    cases = [c for c in malformed_cases(max_model_len=4096) if not c.slow]
+    results = run_sweep(server.url, server.model, cases, timeout=60)
     bad = [(r["name"], r["status"], r.get("stream_error_code"), r["answer"][:160]) for r in results if not r["ok"]]
     assert not bad, bad
     assert requests.get(server.url + "/health", timeout=30).status_code == 200

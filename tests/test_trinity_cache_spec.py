@@ -42,17 +42,16 @@ CHILD = textwrap.dedent(
     """
     import json, logging, sys, tempfile
     import torch
-    from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
+    from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.model_executor.model_loader.utils import get_model_architecture
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
     from vllm.v1.core import kv_cache_utils as kcu
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
-    from vllm.v1.worker.utils import customize_attention_spec
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
     from vllm_trn_plugin import register
+    from vllm_trn_plugin.bench.kv_specs import layer_specs
 
     MAX_MODEL_LEN, KV_DTYPE, BUDGET = int(sys.argv[1]), sys.argv[2], 16 << 30
     records = []
@@ -80,18 +79,6 @@ CHILD = textwrap.dedent(
             "sliding_window": getattr(spec, "sliding_window", None),
             "page_size_bytes": spec.page_size_bytes,
         }
-
-    def collect_specs(vc):
-        # vllm/v1/worker/gpu_model_runner.py GPUModelRunner.get_kv_cache_spec, minus KV sharing (unused here).
-        layers = get_layers_from_vllm_config(vc, AttentionLayerBase)
-        specs = {}
-        for name, layer in layers.items():
-            spec = layer.get_kv_cache_spec(vc)
-            if spec:
-                if isinstance(spec, AttentionSpec):
-                    spec = customize_attention_spec(layer.get_attn_backend(), spec)
-                specs[name] = spec
-        return specs, [layer.get_attn_backend() for layer in layers.values()]
 
     def group(vc, specs, backends):
         # vllm/v1/engine/core.py EngineCore._initialize_kv_caches, one worker, BUDGET bytes.
@@ -126,7 +113,7 @@ CHILD = textwrap.dedent(
         cls, _ = get_model_architecture(vc.model_config)
         with set_current_vllm_config(vc), torch.device("meta"):
             cls(vllm_config=vc)
-        specs, backends = collect_specs(vc)
+        specs, backends = layer_specs(vc)
         results[ckpt] = {
             "arch": cls.__name__,
             "layers": {name: describe(s) for name, s in specs.items()},

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import random_prompts, token_prompts, worker_functions_allowed
+from tests.helpers import random_prompts, raw_logits_llm, token_prompts, worker_functions_allowed
 from tests.references.afmoe import check_against_hf_greedy, hf_greedy, trinity_geometry_pair
-from tests.references.laplace import TIE_MARGIN, first_divergence
+from vllm_trn_plugin.bench.ties import TIE_MARGIN, first_divergence
 
 pytestmark = pytest.mark.vllm
 
@@ -53,21 +53,16 @@ def refs(checkpoints: tuple[Any, Any], one_torch_thread: None) -> dict[str, dict
 
 @pytest.fixture(scope="module")
 def llm(checkpoints: tuple[Any, Any], refs: dict[str, dict]):  # noqa: ANN201
-    from vllm import LLM
-
     _, mla = checkpoints
     with worker_functions_allowed():
-        engine = LLM(
-            model=str(mla),
-            dtype="float32",
+        engine = raw_logits_llm(
+            mla,
+            VOCAB,
             tensor_parallel_size=2,
-            max_model_len=1024,
             max_num_seqs=4,
+            max_num_batched_tokens=None,
             kv_cache_memory_bytes=128 << 20,
-            max_logprobs=VOCAB,
-            logprobs_mode="raw_logits",
             enforce_eager=True,
-            seed=0,
         )
         yield engine
         del engine

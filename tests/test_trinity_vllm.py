@@ -9,14 +9,19 @@ the converted checkpoint and must reproduce transformers' original model. vLLM's
 from __future__ import annotations
 
 import gc
-import math
 
 import pytest
 import torch
 
-from tests.helpers import random_prompts, token_prompts, worker_functions_allowed
+from tests.helpers import (
+    check_batched_against_alone,
+    chosen_steps,
+    random_prompts,
+    token_prompts,
+    worker_functions_allowed,
+)
 from tests.references.afmoe import convert_to_mla, hf_greedy, make_random_afmoe
-from tests.references.laplace import TIE_MARGIN, first_divergence
+from vllm_trn_plugin.bench.ties import TIE_MARGIN, first_divergence
 
 pytestmark = pytest.mark.vllm
 
@@ -52,17 +57,6 @@ def _engine(model: str, **kw):  # noqa: ANN003, ANN202
         seed=0,
         **kw,
     )
-
-
-def _steps(out) -> tuple[list[int], list[float], list[float]]:  # noqa: ANN001
-    """Tokens, chosen-token raw logits, top-1 minus top-2 margins."""
-    c = out.outputs[0]
-    vals, margins = [], []
-    for tok, top in zip(c.token_ids, c.logprobs):
-        vals.append(top[tok].logprob)
-        s = sorted((x.logprob for x in top.values()), reverse=True)
-        margins.append(s[0] - s[1] if len(s) > 1 else math.inf)
-    return list(c.token_ids), vals, margins
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +104,7 @@ def mla_llm(checkpoints):  # noqa: ANN001, ANN201
 
 def _assert_matches_hf(outs, prompts, refs, what: str) -> None:  # noqa: ANN001
     for prompt, out, ref in zip(prompts, outs, refs):
-        toks, _, _ = _steps(out)
+        toks, _, _ = chosen_steps(out)
         d = first_divergence(toks, ref["tokens"])
         if d is not None:
             assert ref["margins"][d] < TIE_MARGIN, (
@@ -147,7 +141,7 @@ def test_prefill_logits_agree_with_transformers(mla_llm, hf_refs) -> None:
 def alone(mla_llm):  # noqa: ANN001, ANN201
     llm = mla_llm[0]
     prompts = random_prompts(32, MIXED_LENGTHS, seed=12)
-    return prompts, [_steps(llm.generate(token_prompts([p]), _params(12), use_tqdm=False)[0]) for p in prompts]
+    return prompts, [chosen_steps(llm.generate(token_prompts([p]), _params(12), use_tqdm=False)[0]) for p in prompts]
 
 
 @pytest.mark.parametrize("batch", [1, 4, 8, 16, 32])
@@ -157,14 +151,9 @@ def test_batch_invariance(mla_llm, alone, batch: int) -> None:
     idx = [(i * 5 + batch) % 32 for i in range(batch)]
     outs = llm.generate(token_prompts([prompts[i] for i in idx]), _params(12), use_tqdm=False)
     for i, out in zip(idx, outs):
-        toks, vals, _ = _steps(out)
-        a_toks, a_vals, a_margins = single[i]
-        d = first_divergence(toks, a_toks)
-        if d is not None:
-            assert a_margins[d] < TIE_MARGIN, f"seq {i} (len {len(prompts[i])}) in batch {batch}: step {d} differs"
-        n = len(toks) if d is None else d
-        err = max((abs(x - y) for x, y in zip(vals[:n], a_vals[:n])), default=0.0)
-        assert err <= LOGPROB_TOL, f"seq {i} in batch {batch}: logit differs by {err:.2e} from its run alone"
+        toks, vals, _ = chosen_steps(out)
+        what = f"seq {i} (len {len(prompts[i])}) in batch {batch}"
+        check_batched_against_alone(what, toks, vals, single[i], LOGPROB_TOL)
 
 
 def test_prefix_cache_hits_give_the_same_tokens(mla_llm, checkpoints) -> None:
@@ -186,7 +175,7 @@ def test_prefix_cache_hits_give_the_same_tokens(mla_llm, checkpoints) -> None:
 def test_reused_blocks_equal_fresh_engine(mla_llm) -> None:
     llm, probes, fresh, _ = mla_llm
     for p, f in zip(probes, fresh):
-        got, want = _steps(llm.generate(token_prompts([p]), _params(12), use_tqdm=False)[0]), _steps(f)
+        got, want = chosen_steps(llm.generate(token_prompts([p]), _params(12), use_tqdm=False)[0]), chosen_steps(f)
         assert got[0] == want[0], f"probe of {len(p)} tokens differs after block reuse"
         assert max(abs(a - b) for a, b in zip(got[1], want[1])) <= LOGPROB_TOL
 

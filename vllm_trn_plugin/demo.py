@@ -1,24 +1,52 @@
-"""Small random checkpoints in the pinned formats (spec §3), with an offline tokenizer.
+"""Small random checkpoints in the pinned formats (docs/models.md §3), with an offline tokenizer.
 
 Weights are random: a demo checkpoint proves the serving path, not language quality. The
 geometry is a scaled-down copy of the real one (same tensor names, same head structure).
+Besides the two served formats, `write_afmoe_demo` writes an original AFMoE checkpoint (the input
+of `vllm-trn convert-mla`).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from vllm_trn_plugin.configs import LaplaceConfig
+from vllm_trn_plugin.loaders.io import ShardWriter, write_config
 
+# ChatML. With `tools`, a system turn lists their signatures and asks for calls as `<tool_call>{"name": ...,
+# "arguments": {...}}</tool_call>` (the Hermes format, read by vLLM's `hermes` tool parser); an assistant turn's
+# tool calls are rendered back in that format and a tool result as a `tool` turn inside <tool_response>.
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions. Their signatures, within <tools></tools>:\n<tools>\n' }}"
+    "{% for tool in tools %}"
+    "{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}{{ '\n' }}"
+    "{% endfor %}"
+    "{{ '</tools>\n\nFor each call, return a JSON object with the function name and arguments within "
+    '<tool_call></tool_call>:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "</tool_call><|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{% set args = fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) %}"
+    "{{ '<tool_call>\n{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' + args + '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>tool\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -43,26 +71,13 @@ LAPLACE_DEMO = dict(
 )
 
 
-def _bytes_to_unicode() -> list[str]:
-    """GPT-2's printable stand-in for each byte value, indexed by byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    out, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return [out[b] for b in range(256)]
-
-
 def write_byte_tokenizer(out_dir: Path) -> None:
-    """A byte-level tokenizer (ids 0-255 are the bytes, then the special tokens), ChatML template."""
+    """A byte-level tokenizer (ids 0-255 are the bytes, then the special tokens), ChatML template with tools."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    vocab = {ch: i for i, ch in enumerate(_bytes_to_unicode())}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -75,7 +90,7 @@ def write_byte_tokenizer(out_dir: Path) -> None:
 
 
 def random_laplace_weights(config: LaplaceConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random fp32 tensors under the checkpoint names of spec §3."""
+    """Random fp32 tensors under the checkpoint names of docs/models.md §3."""
     g = torch.Generator().manual_seed(seed)
     D, H, dk, dv = config.hidden_size, config.num_heads, config.head_k_dim, config.head_v_dim
     F, V, W = config.intermediate_size, config.vocab_size, config.conv_size
@@ -106,30 +121,39 @@ def random_laplace_weights(config: LaplaceConfig, seed: int = 0) -> dict[str, to
     return t
 
 
-def write_laplace_demo(
-    out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16, **overrides: Any
+def _write_demo(
+    out_dir: str | Path, config: Any, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
 ) -> Path:
-    """Write config.json, model.safetensors and a tokenizer for a random Laplace model."""
+    """config.json (the byte tokenizer's special ids), the tensors in `dtype` (streamed into shards of at most
+    1 GiB) and the tokenizer."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = LaplaceConfig(**{**LAPLACE_DEMO, **overrides})
     if config.vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size={config.vocab_size}: the byte tokenizer needs at least 259")
-    config.architectures = ["LaplaceForCausalLM"]
-    dtype_name = str(dtype).removeprefix("torch.")
     config.eos_token_id = 256 + SPECIAL_TOKENS.index("<|im_end|>")
     config.pad_token_id = 256 + SPECIAL_TOKENS.index("<|endoftext|>")
-    tensors = random_laplace_weights(config, seed)
-    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    writer = ShardWriter(out)
+    for name, t in tensors:
+        writer.add(name, t.to(dtype))
+    writer.finish()
     cfg = config.to_dict()
     cfg.pop("torch_dtype", None)
-    cfg["dtype"] = dtype_name
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    cfg["dtype"] = str(dtype).removeprefix("torch.")
+    write_config(out, cfg)
     write_byte_tokenizer(out)
     return out
 
 
-# Arcee Trinity-Mini's public geometry (spec §1), with MLA's 256-wide latent.
+def write_laplace_demo(
+    out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16, **overrides: Any
+) -> Path:
+    """Write config.json, model.safetensors and a tokenizer for a random Laplace model."""
+    config = LaplaceConfig(**{**LAPLACE_DEMO, **overrides})
+    config.architectures = ["LaplaceForCausalLM"]
+    return _write_demo(out_dir, config, random_laplace_weights(config, seed).items(), dtype)
+
+
+# Arcee Trinity-Mini's public geometry (docs/models.md §1), with MLA's 256-wide latent.
 TRINITY_MINI: dict[str, Any] = dict(
     vocab_size=200192,
     hidden_size=2048,
@@ -175,12 +199,13 @@ TRINITY_DEMO: dict[str, Any] = dict(
 )
 
 
-def iter_trinity_weights(config: Any, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Random fp32 tensors under MLA-Trinity's checkpoint names (spec §3: transformers' AFMoE names,
-    kv_a_proj/kv_b_proj on full-attention layers, one tensor per expert), one at a time."""
+def _afmoe_weights(config: Any, seed: int = 0, kv_rank: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random fp32 tensors under transformers' AFMoE checkpoint names (docs/models.md §3; one tensor per expert),
+    one at a time. Full-attention layers hold kv_a_proj/kv_b_proj when `config` has a `kv_lora_rank` (MLA-Trinity),
+    else k_proj/v_proj, whose stacked [k_proj; v_proj] has rank `kv_rank` when given."""
     g = torch.Generator().manual_seed(seed)
     D, H, Hkv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    r, V = config.kv_lora_rank, config.vocab_size
+    r, V = getattr(config, "kv_lora_rank", None), config.vocab_size
 
     def randn(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * std + mean
@@ -195,9 +220,15 @@ def iter_trinity_weights(config: Any, seed: int = 0) -> Iterator[tuple[str, torc
         p = f"model.layers.{i}."
         a = p + "self_attn."
         yield a + "q_proj.weight", randn(H * hd, D, std=D**-0.5)
-        if config.layer_types[i] == "full_attention":
+        full = config.layer_types[i] == "full_attention"
+        if full and r is not None:
             yield a + "kv_a_proj.weight", randn(r, D, std=D**-0.5)
             yield a + "kv_b_proj.weight", randn(2 * Hkv * hd, r, std=r**-0.5)
+        elif full and kv_rank is not None:
+            # [k; v] = B A: var = kv_rank * (1 / kv_rank) * (1 / D), the full-rank layers' scale.
+            kv = randn(2 * Hkv * hd, kv_rank, std=kv_rank**-0.5) @ randn(kv_rank, D, std=D**-0.5)
+            yield a + "k_proj.weight", kv[: Hkv * hd]
+            yield a + "v_proj.weight", kv[Hkv * hd :]
         else:
             yield a + "k_proj.weight", randn(Hkv * hd, D, std=D**-0.5)
             yield a + "v_proj.weight", randn(Hkv * hd, D, std=D**-0.5)
@@ -227,17 +258,33 @@ def write_trinity_demo(
     256, [S, S, S, F] layers), few layers and experts."""
     from transformers import AfmoeConfig
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     config = AfmoeConfig(**{**TRINITY_DEMO, **overrides})
     config.architectures = ["TrinityMLAForCausalLM"]
-    config.eos_token_id = 256 + SPECIAL_TOKENS.index("<|im_end|>")
-    config.pad_token_id = 256 + SPECIAL_TOKENS.index("<|endoftext|>")
-    tensors = {k: v.to(dtype).contiguous() for k, v in iter_trinity_weights(config, seed)}
-    save_file(tensors, str(out / "model.safetensors"))
-    cfg = config.to_dict()
-    cfg.pop("torch_dtype", None)
-    cfg["dtype"] = str(dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    write_byte_tokenizer(out)
-    return out
+    return _write_demo(out_dir, config, _afmoe_weights(config, seed), dtype)
+
+
+def write_afmoe_demo(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    kv_rank: int | None = None,
+    **config_overrides: Any,
+) -> Path:
+    """Write a random original AFMoE checkpoint (`AfmoeForCausalLM`: k_proj/v_proj on every layer), the demo's
+    geometry by default (`TRINITY_DEMO` without the latent; `config_overrides` replace AfmoeConfig fields).
+
+    With `kv_rank`, the stacked [k_proj; v_proj] of every full-attention layer has exactly that rank, so that
+    `vllm-trn convert-mla --latent <kv_rank>` of it is exact (the converted model computes the original's logits).
+    """
+    from transformers import AfmoeConfig
+
+    if "kv_lora_rank" in config_overrides:
+        raise ValueError("write_afmoe_demo: kv_lora_rank is MLA-Trinity's field (write_trinity_demo)")
+    base = {k: v for k, v in TRINITY_DEMO.items() if k != "kv_lora_rank"}
+    config = AfmoeConfig(**{**base, **config_overrides})
+    config.architectures = ["AfmoeForCausalLM"]
+    top = min(2 * config.num_key_value_heads * config.head_dim, config.hidden_size)
+    if kv_rank is not None and not 1 <= kv_rank <= top:
+        raise ValueError(f"write_afmoe_demo: kv_rank={kv_rank} must be in [1, {top}] (min(2 x KV width, hidden))")
+    return _write_demo(out_dir, config, _afmoe_weights(config, seed, kv_rank), dtype)

@@ -1,12 +1,16 @@
 """What the plugin's models need from vLLM's engine config, checked when the config is built (vLLM's per-architecture
 hooks, `MODELS_CONFIG_MAP`), before any engine or worker process starts.
 
-- Refused, each with its reason: vLLM features that would corrupt a model's state rather than serve it exactly.
-  Laplace's recurrent state advances with every token a step feeds it, so speculative decoding (whose rejected
-  drafts vLLM rolls back only in attention caches) would leave it past the accepted tokens. MLA-Trinity keeps a
-  key-scale store beside vLLM's latent blocks (model_executors/latent_attention.py), so anything that moves or
-  copies blocks outside the model's forward (KV connectors, KV offloading, disaggregated prefill) would move
-  latents without their scales; and its speculative decoding has not been verified against the latent cache.
+- Refused, each with its reason: vLLM features a model cannot serve exactly. Laplace's recurrent state advances with
+  every token a step feeds it, so speculative decoding (of any method: vLLM rolls rejected drafts back only in
+  attention caches) would leave it past the accepted tokens. MLA-Trinity keeps a key-scale store beside vLLM's latent
+  blocks (model_executors/latent_attention.py), so anything that moves or copies blocks outside the model's forward
+  (KV connectors, KV offloading, disaggregated prefill) would move latents without their scales; its speculative
+  decoding has not been verified against the latent cache, and the drafts that read the target's intermediate hidden
+  states (EAGLE3 and its kin) would get none from its model. LoRA (--enable-lora): Laplace does not implement vLLM's
+  LoRA interface; MLA-Trinity inherits it from vLLM's AFMoE, but its latent layers read kv_b_proj as a plain matrix
+  inside the attention math, where vLLM's LoRA layers never apply, and on vLLM's CPU build LoRA moves the routed
+  experts to a Triton kernel that build cannot run.
 - Refused, each with its reason: parallel layouts a model does not have. Laplace is served one replica per core
   (3.0B parameters and its states fit one 24 GiB core; more cores serve more replicas, behind the router or with
   --data-parallel-size), so it has no tensor-parallel layout. MLA-Trinity's routed experts under
@@ -80,15 +84,33 @@ def bind_cpu_workers(vllm_config: VllmConfig) -> None:
     logger.info("%s=%r: %d CPU workers, %d cores each (fewer NUMA nodes than workers)", THREADS_BIND, mask, workers, n)
 
 
-def _refuse_state_corrupting(vllm_config: VllmConfig, arch: str, speculative: str, block_movers: str) -> None:
-    """Raise, naming the option and why (`speculative`, `block_movers`), for the features `arch` cannot honour."""
+# Speculative methods whose drafts read the target model's intermediate hidden states (vLLM's "aux hidden states").
+AUX_HIDDEN_STATE_METHODS = ("eagle3", "extract_hidden_states", "dflash", "dspark")
+
+
+def _refuse_features(
+    vllm_config: VllmConfig,
+    arch: str,
+    *,
+    speculative: str,
+    block_movers: str,
+    lora: str,
+    aux_hidden_states: str | None = None,
+) -> None:
+    """Raise, naming the option and why, for the features `arch` cannot honour: `speculative` for every speculative
+    method (`aux_hidden_states` instead, if given, for those in AUX_HIDDEN_STATE_METHODS), `block_movers` for KV
+    offloading and connectors, `lora` for LoRA adapters."""
     option, why = None, None
-    if vllm_config.speculative_config is not None:
-        option, why = "--speculative-config (speculative decoding)", speculative
+    spec = vllm_config.speculative_config
+    if spec is not None:
+        option = f"--speculative-config (speculative decoding, method {spec.method!r})"
+        why = aux_hidden_states if aux_hidden_states and spec.method in AUX_HIDDEN_STATE_METHODS else speculative
     elif vllm_config.cache_config.kv_offloading_size is not None:
         option, why = "--kv-offloading-size (KV offloading)", block_movers
     elif vllm_config.kv_transfer_config is not None:  # offloading sets one too, later
         option, why = "--kv-transfer-config (KV connectors, disaggregated prefill)", block_movers
+    elif vllm_config.lora_config is not None:
+        option, why = "--enable-lora (LoRA adapters)", lora
     if option is not None:
         raise ValueError(f"{arch} cannot be served with {option}: {why}")
 
@@ -123,12 +145,14 @@ class LaplaceEngineChecks(MambaModelConfig):
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
         _refuse_layout(vllm_config, "LaplaceForCausalLM")
-        _refuse_state_corrupting(
+        _refuse_features(
             vllm_config,
             "LaplaceForCausalLM",
             speculative="the recurrent state advances with every draft token a step verifies, and vLLM does not "
             "roll a state back past rejected drafts",
             block_movers="the recurrent-state pages are not supported by vLLM's KV connectors",
+            lora="the model does not implement vLLM's LoRA interface (SupportsLoRA); no adapter has been verified "
+            "against merged weights through its stateful mixer",
         )
         _add_splitting_ops(vllm_config)
         bind_cpu_workers(vllm_config)
@@ -139,12 +163,20 @@ class TrinityMLAEngineChecks(VerifyAndUpdateConfig):
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
         _refuse_layout(vllm_config, "TrinityMLAForCausalLM")
-        _refuse_state_corrupting(
+        _refuse_features(
             vllm_config,
             "TrinityMLAForCausalLM",
-            speculative="not verified with the latent cache and its key-scale store",
+            speculative="not verified with the latent cache and its key-scale store (a verification step runs "
+            "several draft tokens per request through the latent layers)",
+            aux_hidden_states="these drafts read the target's intermediate hidden states, and the model returns none "
+            "(it inherits vLLM AFMoE's SupportsEagle3 declaration, but its TrinityMLAModel does not collect them)",
             block_movers="each latent layer keeps its key scales in a store beside vLLM's blocks, which a "
             "connector would not move with them",
+            lora="the latent layers read kv_b_proj as a plain matrix inside the attention math (folded into the "
+            "decode query and the stored key scales), where vLLM's LoRA layers never apply, and have no k_proj or "
+            "v_proj for an adapter of the original model's attention; on vLLM's CPU build LoRA also moves the routed "
+            "experts to vLLM's Triton fused-MoE kernel, which that build cannot run (the engine dies at its first "
+            "step)",
         )
         _add_splitting_ops(vllm_config)
         bind_cpu_workers(vllm_config)

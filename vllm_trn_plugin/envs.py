@@ -7,13 +7,22 @@ import os
 ALLOW_BF16 = "VLLM_TRN_ALLOW_BF16"  # "1": a packed matrix that cannot be exact in FP8 is kept in bf16
 KERNELS = "VLLM_TRN_KERNELS"  # auto | torch | emulate | nki: who computes the kernel ops (kernels/dispatch.py)
 KERNEL_MODES = ("auto", "torch", "emulate", "nki")
+NO_TCMALLOC = "VLLM_TRN_NO_TCMALLOC"  # "1": `vllm-trn serve` leaves the allocator alone (no tcmalloc preload)
+
+
+def _flag(name: str) -> bool:
+    value = os.environ.get(name, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: expected 0 or 1")
+    return value == "1"
 
 
 def allow_bf16() -> bool:
-    value = os.environ.get(ALLOW_BF16, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ALLOW_BF16}={value!r}: expected 0 or 1")
-    return value == "1"
+    return _flag(ALLOW_BF16)
+
+
+def no_tcmalloc() -> bool:
+    return _flag(NO_TCMALLOC)
 
 
 def kernels() -> str:

@@ -33,7 +33,16 @@ common=(
     # nothing to share (one recurrent state page per sequence).
     --no-enable-prefix-caching
     --served-model-name "${SERVED_NAME:-$model}"
+    # SIGTERM (a rolling update, a scale-down) drains: the requests in flight finish, for up to this many seconds,
+    # then the server exits; a request arriving meanwhile gets an error (vLLM stops taking input at once), so the
+    # router must stop sending first (the pods' preStop). Keep terminationGracePeriodSeconds above it.
+    --shutdown-timeout "${SHUTDOWN_TIMEOUT:-300}"
 )
+# Tool calling (tools / tool_choice in chat requests): the parser of the tool-call format the checkpoint's chat
+# template asks for, e.g. TOOL_CALL_PARSER=hermes for the demo checkpoints' template. Off unless set.
+if [[ -n ${TOOL_CALL_PARSER:-} ]]; then
+    common+=(--enable-auto-tool-choice --tool-call-parser "$TOOL_CALL_PARSER")
+fi
 
 case $model in
 laplace-3b)

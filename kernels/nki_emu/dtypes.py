@@ -8,7 +8,7 @@ types as the simulator does with ``NKI_PRECISE_FP=1`` [SIM]: ``bfloat16`` -> ``m
 Cast rules (engines compute in fp32 and cast the fp32 result on write [SHARED, TRN1, ISA]):
 
 * fp32 -> bfloat16 / fp8: round to nearest even (``ml_dtypes`` astype; the hardware rounding mode is
-  UNCONFIRMED [note section 7]).
+  UNCONFIRMED, docs/nki-0.6.md section 7).
 * fp32 -> ``float8_e4m3``: our spec choice (the hardware overflow behaviour is UNCONFIRMED): a value
   whose RNE result would lie beyond +-240 (|x| >= 248, and +-inf) becomes NaN, never inf. Values in
   (240, 248) round to +-240 like any RNE cast.
@@ -19,8 +19,12 @@ Cast rules (engines compute in fp32 and cast the fp32 result on write [SHARED, T
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
+
+try:
+    import ml_dtypes
+except ImportError as exc:  # an optional dependency: only the emulator needs it
+    raise ImportError("the NKI emulator (VLLM_TRN_KERNELS=emulate) needs ml_dtypes: pip install ml_dtypes") from exc
 
 bool_ = "bool_"
 int8 = "int8"

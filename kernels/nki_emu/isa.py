@@ -3,8 +3,8 @@
 Every instruction runs eagerly in NumPy, vectorised over the whole tile. Engines read operands as
 fp32, compute in fp32 and cast on write (see ``dtypes``) [SHARED, TRN1, ISA]; TensorE sums each
 matmul exactly (float64, then one rounding to fp32) and accumulates across matmuls in fp32 PSUM.
-Checks raise subclasses of ``NkiValidationError`` naming the instruction and the operand. Tags in
-brackets refer to /work/shared/notes/nki-0.6-reference.md.
+Checks raise subclasses of ``errors.NkiValidationError`` naming the instruction and the operand. Tags in
+brackets are the sources listed in docs/nki-0.6.md.
 """
 
 from __future__ import annotations
@@ -16,17 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes as dt
-from . import ops
-from .errors import (
-    DtypeError,
-    MatmulLimitError,
-    MemorySpaceError,
-    NkiValidationError,
-    OutOfBoundsError,
-    PartitionLimitError,
-    RegisterError,
-    ShapeError,
-)
+from . import errors, ops
 from .memory import (
     PMAX,
     PSUM_BANK_BYTES,
@@ -42,103 +32,45 @@ __all__ = [
     "NkiValidationError",
     "VirtualRegister",
     "activation",
-    "activation_reduce",
-    "affine_select",
-    "dma_copy",
     "dge_mode",
+    "dma_copy",
     "engine",
-    "get_nc_version",
     "iota",
     "matmul_perf_mode",
     "memset",
     "nc_matmul",
     "nc_transpose",
-    "nc_version",
     "oob_mode",
+    "range_select",
     "reciprocal",
     "reduce_cmd",
     "register_alloc",
     "register_load",
-    "register_move",
-    "register_store",
     "scalar_tensor_tensor",
-    "select_reduce",
-    "range_select",
     "tensor_copy",
     "tensor_copy_predicated",
     "tensor_reduce",
     "tensor_scalar",
-    "tensor_scalar_reduce",
     "tensor_tensor",
 ]
 
+NkiValidationError = errors.NkiValidationError  # ``nisa.NkiValidationError`` [ISA]
 
-# ---- enums [ISA 5.7] ---------------------------------------------------------------------------
-class engine(Enum):  # noqa: N801 - NKI spelling
-    unknown = 0
-    tensor = 1
-    scalar = 2
-    gpsimd = 3
-    dma = 4
-    vector = 5
-    sync = 6
-
-
-class reduce_cmd(Enum):  # noqa: N801
-    idle = 0
-    reset = 1
-    reduce = 2
-    reset_reduce = 3
-    load_reduce = 4
-
-
-class dge_mode(Enum):  # noqa: N801
-    unknown = 0
-    swdge = 1
-    hwdge = 2
-    none = 3
-
-
-class oob_mode(Enum):  # noqa: N801
-    error = 0
-    skip = 1
-
-
-class matmul_perf_mode(Enum):  # noqa: N801
-    none = "none"
-    double_row = "double_row"
-
-
-class nc_version(Enum):  # noqa: N801
-    gen2 = 2
-    gen3 = 3
-    gen4 = 4
-
-
-class dma_engine(Enum):  # noqa: N801
-    dma = 1
-    gpsimd_dma = 2
-
+# ---- enums [ISA] ---------------------------------------------------------------------------------
+engine = Enum("engine", {"unknown": 0, "tensor": 1, "scalar": 2, "gpsimd": 3, "dma": 4, "vector": 5, "sync": 6})
+reduce_cmd = Enum("reduce_cmd", {"idle": 0, "reset": 1, "reduce": 2, "reset_reduce": 3, "load_reduce": 4})
+dge_mode = Enum("dge_mode", {"unknown": 0, "swdge": 1, "hwdge": 2, "none": 3})
+oob_mode = Enum("oob_mode", {"error": 0, "skip": 1})
+matmul_perf_mode = Enum("matmul_perf_mode", {"none": "none", "double_row": "double_row"})
 
 # Instruction parameters shadow the enum names (NKI's own signatures), so code refers to these aliases.
 _OOB, _DGE, _ENGINE, _RCMD = oob_mode, dge_mode, engine, reduce_cmd
-
-tensor_engine = engine.tensor
-vector_engine = engine.vector
-scalar_engine = engine.scalar
-gpsimd_engine = engine.gpsimd
-unknown_engine = engine.unknown
-
-
-def get_nc_version() -> nc_version:
-    """The emulated target is Trainium2 (NeuronCore-v3, ``nc_version.gen3``) [ISA, SIM]."""
-    return nc_version.gen3
 
 
 # ---- operand helpers ---------------------------------------------------------------------------
 def _tensor(t: Any, op: str, name: str) -> NkiTensor:
     if not isinstance(t, NkiTensor):
-        raise NkiValidationError(f"{op}: operand '{name}' must be an NkiTensor, got {type(t).__name__}")
+        raise errors.NkiValidationError(f"{op}: operand '{name}' must be an NkiTensor, got {type(t).__name__}")
     return t
 
 
@@ -146,9 +78,9 @@ def _onchip(t: Any, op: str, name: str, allow: tuple[MemoryRegion, ...] = (Memor
     t = _tensor(t, op, name)
     if t.buffer not in allow:
         where = "/".join(a.value.upper() for a in allow)
-        raise MemorySpaceError(f"{op}: operand '{name}' must be in {where}, is in {t.buffer.value}")
+        raise errors.MemorySpaceError(f"{op}: operand '{name}' must be in {where}, is in {t.buffer.value}")
     if t.shape[0] > PMAX:
-        raise PartitionLimitError(f"{op}: {name} partition dimension {t.shape[0]} exceeds maximum {PMAX}")
+        raise errors.PartitionLimitError(f"{op}: {name} partition dimension {t.shape[0]} exceeds maximum {PMAX}")
     return t
 
 
@@ -158,23 +90,36 @@ def _free(t: NkiTensor) -> int:
 
 def _same_layout(a: NkiTensor, b: NkiTensor, op: str, an: str, bn: str) -> None:
     if a.shape[0] != b.shape[0] or _free(a) != _free(b):
-        raise ShapeError(
+        raise errors.ShapeError(
             f"{op}: '{an}' {a.shape} and '{bn}' {b.shape} must have the same partition count and the same "
             "number of elements per partition [ISA]"
         )
 
 
+def _like_dst(op: str, dst: Any, **operands: Any) -> tuple[NkiTensor, ...]:
+    """dst and the named operands, each on chip (SBUF or PSUM) with dst's partition count and elements per
+    partition [ISA]; at most one of the operands in PSUM."""
+    out = [_onchip(dst, op, "dst")]
+    for name, t in operands.items():
+        out.append(_onchip(t, op, name))
+        _same_layout(out[0], out[-1], op, "dst", name)
+    in_psum = [name for name, t in zip(operands, out[1:]) if t.buffer is MemoryRegion.psum]
+    if len(in_psum) > 1:
+        raise errors.MemorySpaceError(f"{op}: {' and '.join(in_psum)} cannot both be in PSUM [ISA]")
+    return tuple(out)
+
+
 def _rd(t: NkiTensor, op: str) -> np.ndarray:
     """Engine read: values as fp32, shape (partitions, elements per partition)."""
-    return dt.to_f32(t._read_raw(op)).reshape(t.shape[0], -1)
+    return dt.to_f32(t.read_raw(op)).reshape(t.shape[0], -1)
 
 
 def _rd_raw(t: NkiTensor, op: str) -> np.ndarray:
-    return t._read_raw(op).reshape(t.shape[0], -1)
+    return t.read_raw(op).reshape(t.shape[0], -1)
 
 
 def _wr(t: NkiTensor, vals: np.ndarray, op: str) -> None:
-    t._write_raw(dt.cast(vals, t.dtype).reshape(t.shape), op)
+    t.write_raw(dt.cast(vals, t.dtype).reshape(t.shape), op)
 
 
 def _count(op: str) -> None:
@@ -186,28 +131,30 @@ def _scalar_or_column(v: Any, parts: int, op: str, name: str, fp32_only: bool = 
     if isinstance(v, NkiTensor):
         _onchip(v, op, name)
         if v.shape[0] != parts or _free(v) != 1:
-            raise ShapeError(f"{op}: '{name}' must be a scalar or a ({parts}, 1) tile, got {v.shape}")
+            raise errors.ShapeError(f"{op}: '{name}' must be a scalar or a ({parts}, 1) tile, got {v.shape}")
         if fp32_only and v.dtype != dt.float32:
-            raise DtypeError(f"{op}: '{name}' tile must be float32, got {v.dtype} [ISA]")
+            raise errors.DtypeError(f"{op}: '{name}' tile must be float32, got {v.dtype} [ISA]")
         return _rd(v, op)
     if isinstance(v, VirtualRegister):
-        raise NkiValidationError(f"{op}: '{name}' cannot be a VirtualRegister")
+        raise errors.NkiValidationError(f"{op}: '{name}' cannot be a VirtualRegister")
     if isinstance(v, (bool, int, float, np.number)):
         return np.full((parts, 1), np.float32(v), np.float32)
-    raise NkiValidationError(f"{op}: '{name}' must be a number or a ({parts}, 1) tile, got {type(v).__name__}")
+    raise errors.NkiValidationError(f"{op}: '{name}' must be a number or a ({parts}, 1) tile, got {type(v).__name__}")
 
 
 def _alu(name: str, a: np.ndarray, b: np.ndarray | None, op: str) -> np.ndarray:
     if name in _NOT_ON_TRN2:
-        raise NkiValidationError(f"{op}: {_NOT_ON_TRN2[name]}")
+        raise errors.NkiValidationError(f"{op}: {_NOT_ON_TRN2[name]}")
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         if name in ops.UNARY_ALU:
             return ops.UNARY_ALU[name](a).astype(np.float32)
         if name in ops.ARITH:
             if b is None:
-                raise NkiValidationError(f"{op}: binary op {name} needs an operand")
+                raise errors.NkiValidationError(f"{op}: binary op {name} needs an operand")
             return ops.ARITH[name](a, b).astype(np.float32)
-    raise NkiValidationError(f"{op}: {name} is not an arithmetic ALU op (bitvec ops need integer tiles) [SHARED]")
+    raise errors.NkiValidationError(
+        f"{op}: {name} is not an arithmetic ALU op (bitvec ops need integer tiles) [SHARED]"
+    )
 
 
 _NOT_ON_TRN2 = {
@@ -242,7 +189,7 @@ def dma_copy(
     pair in row-major order of each view (implied, UNCONFIRMED) [ISA]. Different dtypes convert
     src -> fp32 -> dst [ISA]; ``dge_mode.hwdge`` requires equal dtypes and no vector_offset [MIG, DGE].
     Dynamic views (``.ap(scalar_offset=...)`` / ``.ap(vector_offset=...)``) are bounds-checked:
-    ``oob_mode.error`` raises ``OutOfBoundsError`` naming the index, ``oob_mode.skip`` leaves the
+    ``oob_mode.error`` raises ``errors.OutOfBoundsError`` naming the index, ``oob_mode.skip`` leaves the
     destination elements of the out-of-bounds rows (vector) or of the whole transfer (scalar)
     untouched [ISA]. An index is in bounds when ``0 <= index < shape[indirect_dim]`` of the tensor
     ``.ap`` was called on and every addressed element lies inside the buffer; negative indices
@@ -254,28 +201,36 @@ def dma_copy(
     src = _tensor(src, op, "src")
     for t, n in ((dst, "dst"), (src, "src")):
         if t.buffer is MemoryRegion.psum:
-            raise MemorySpaceError(f"{op}: '{n}' is in PSUM; DMA cannot access PSUM (copy to SBUF first) [ISA, MIG]")
+            raise errors.MemorySpaceError(
+                f"{op}: '{n}' is in PSUM; DMA cannot access PSUM (copy to SBUF first) [ISA, MIG]"
+            )
         if t.onchip and t.shape[0] > PMAX:
-            raise PartitionLimitError(f"{op}: {n} partition dimension {t.shape[0]} exceeds maximum {PMAX}")
+            raise errors.PartitionLimitError(f"{op}: {n} partition dimension {t.shape[0]} exceeds maximum {PMAX}")
     if dst.size != src.size:
-        raise ShapeError(f"{op}: element counts differ: dst {dst.shape} ({dst.size}) vs src {src.shape} ({src.size})")
+        raise errors.ShapeError(
+            f"{op}: element counts differ: dst {dst.shape} ({dst.size}) vs src {src.shape} ({src.size})"
+        )
     for t, n in ((dst, "dst"), (src, "src")):
-        if t._dyn is not None and t._dyn.kind == "vector" and dge_mode is _DGE.hwdge:
-            raise NkiValidationError(f"{op}: vector_offset on '{n}' needs swdge, not hwdge [DGE]")
+        if t.indirect is not None and t.indirect.kind == "vector" and dge_mode is _DGE.hwdge:
+            raise errors.NkiValidationError(f"{op}: vector_offset on '{n}' needs swdge, not hwdge [DGE]")
     if dge_mode is _DGE.hwdge and dst.dtype != src.dtype:
-        raise DtypeError(f"{op}: hwdge requires equal dtypes (dst {dst.dtype}, src {src.dtype}); use .view() [MIG]")
+        raise errors.DtypeError(
+            f"{op}: hwdge requires equal dtypes (dst {dst.dtype}, src {src.dtype}); use .view() [MIG]"
+        )
     if oob_mode not in (_OOB.error, _OOB.skip):
-        raise NkiValidationError(f"{op}: oob_mode must be nisa.oob_mode.error or .skip (raw ints rejected [MIG])")
+        raise errors.NkiValidationError(
+            f"{op}: oob_mode must be nisa.oob_mode.error or .skip (raw ints rejected [MIG])"
+        )
     skip = oob_mode is _OOB.skip
-    vector = any(t._dyn is not None and t._dyn.kind == "vector" for t in (src, dst))
+    vector = any(t.indirect is not None and t.indirect.kind == "vector" for t in (src, dst))
     if not vector:
-        s_off, s_msg = src._dyn_offset()
-        d_off, d_msg = dst._dyn_offset()
-        s_view = None if s_msg else src._strided(s_off)
-        d_view = None if d_msg else dst._strided(d_off)
+        s_off, s_msg = src.base_offset()
+        d_off, d_msg = dst.base_offset()
+        s_view = None if s_msg else src.strided_view(s_off)
+        d_view = None if d_msg else dst.strided_view(d_off)
         bad = [(m or "access", n) for v, m, n in ((s_view, s_msg, "src"), (d_view, d_msg, "dst")) if v is None]
         if bad and not skip:
-            raise OutOfBoundsError(f"{op}: out-of-bounds {bad[0][0]} on '{bad[0][1]}'")
+            raise errors.OutOfBoundsError(f"{op}: out-of-bounds {bad[0][0]} on '{bad[0][1]}'")
         if bad:
             vals = np.zeros(0, dt.np_dtype(dst.dtype))
         else:
@@ -284,12 +239,12 @@ def dma_copy(
                 vals = dt.cast(dt.to_f32(vals), dst.dtype)
             d_view[...] = vals.reshape(dst.shape)
     else:
-        s_idx, s_valid, s_msg = src._index()
-        d_idx, d_valid, d_msg = dst._index()
+        s_idx, s_valid, s_msg = src.element_index()
+        d_idx, d_valid, d_msg = dst.element_index()
         if not skip:
             for valid, msg, n in ((s_valid, s_msg, "src"), (d_valid, d_msg, "dst")):
                 if valid is not None:
-                    raise OutOfBoundsError(f"{op}: out-of-bounds {msg} on '{n}'")
+                    raise errors.OutOfBoundsError(f"{op}: out-of-bounds {msg} on '{n}'")
         s_flat = s_idx.reshape(-1)
         d_flat = d_idx.reshape(-1)
         valid = np.ones(s_flat.shape, bool)
@@ -299,13 +254,13 @@ def dma_copy(
             valid &= d_valid.reshape(-1)
         if not valid.all():
             s_flat, d_flat = s_flat[valid], d_flat[valid]
-        vals = src._st.typed(src.dtype)[s_flat]
+        vals = src.storage.typed(src.dtype)[s_flat]
         if src.dtype != dst.dtype:
             vals = dt.cast(dt.to_f32(vals), dst.dtype)
-        dst._st.typed(dst.dtype)[d_flat] = vals
+        dst.storage.typed(dst.dtype)[d_flat] = vals
     n = int(vals.size)
     if not dst.onchip and n:
-        dst._st.written = True
+        dst.storage.written = True
     c = ctx().counters
     c.dma_instructions += 1
     c.count(op)
@@ -324,14 +279,12 @@ def tensor_copy(dst: NkiTensor, src: NkiTensor, engine: engine = engine.unknown,
     """On-chip copy [ISA tensor_copy]: same partition count and elements per partition; equal dtypes
     copy bits exactly, different dtypes cast through fp32. GpSimd cannot access PSUM."""
     op = "tensor_copy"
-    dst = _onchip(dst, op, "dst")
-    src = _onchip(src, op, "src")
-    _same_layout(dst, src, op, "dst", "src")
+    dst, src = _like_dst(op, dst, src=src)
     if engine is _ENGINE.gpsimd and MemoryRegion.psum in (dst.buffer, src.buffer):
-        raise MemorySpaceError(f"{op}: GpSimd cannot access PSUM [ISA]")
+        raise errors.MemorySpaceError(f"{op}: GpSimd cannot access PSUM [ISA]")
     _count(op)
     if src.dtype == dst.dtype:
-        dst._write_raw(_rd_raw(src, op).reshape(dst.shape), op)
+        dst.write_raw(_rd_raw(src, op).reshape(dst.shape), op)
     else:
         _wr(dst, _rd(src, op), op)
 
@@ -343,15 +296,17 @@ def memset(dst: NkiTensor, value: Any, engine: engine = engine.unknown, name: st
     op = "memset"
     dst = _onchip(dst, op, "dst")
     if isinstance(value, (NkiTensor, VirtualRegister)):
-        raise NkiValidationError(f"{op}: value must be a compile-time constant")
+        raise errors.NkiValidationError(f"{op}: value must be a compile-time constant")
     if dt.is_int(dst.dtype) and not isinstance(value, (int, np.integer)):
-        raise DtypeError(f"{op}: integer dst '{dst.name}' ({dst.dtype}) needs an integer value, got {value!r} [MIG]")
+        raise errors.DtypeError(
+            f"{op}: integer dst '{dst.name}' ({dst.dtype}) needs an integer value, got {value!r} [MIG]"
+        )
     _count(op)
     if dt.is_int(dst.dtype):
         vals = np.full(dst.shape, int(value), np.int64)
     else:
         vals = np.full(dst.shape, np.float32(value), np.float32)
-    dst._write_raw(dt.cast(vals, dst.dtype), op)
+    dst.write_raw(dt.cast(vals, dst.dtype), op)
 
 
 def iota(dst: NkiTensor, pattern: Any, offset: int = 0, channel_multiplier: int = 0, name: str | None = None) -> None:
@@ -363,7 +318,9 @@ def iota(dst: NkiTensor, pattern: Any, offset: int = 0, channel_multiplier: int 
     steps = [int(p[0]) for p in pattern]
     nums = [int(p[1]) for p in pattern]
     if len(pattern) > 4 or math.prod(nums) != _free(dst):
-        raise ShapeError(f"{op}: pattern {pattern} has {math.prod(nums)} elements, dst has {_free(dst)} per partition")
+        raise errors.ShapeError(
+            f"{op}: pattern {pattern} has {math.prod(nums)} elements, dst has {_free(dst)} per partition"
+        )
     _count(op)
     v = np.full((1,), int(offset), np.int64)
     for s, n in zip(steps, nums):
@@ -379,17 +336,17 @@ def _perf(perf_mode: Any) -> str:
         return perf_mode.value
     if perf_mode in ("none", "double_row", None):
         return perf_mode or "none"
-    raise NkiValidationError(f"nc_matmul: unknown perf_mode {perf_mode!r}")
+    raise errors.NkiValidationError(f"nc_matmul: unknown perf_mode {perf_mode!r}")
 
 
 def _check_bank(dst: NkiTensor, op: str) -> None:
     """A matmul output must lie within one 2 KiB PSUM bank of each partition [ISA, TRN2]."""
     isz = dt.itemsize(dst.dtype)
-    lo = dst.offset % dst._pstride()
+    lo = dst.offset % dst.partition_stride()
     hi = lo + sum((n - 1) * s for n, s in zip(dst.shape[1:], dst.strides[1:]))
     lo_b, hi_b = lo * isz, hi * isz + isz - 1
     if lo_b // PSUM_BANK_BYTES != hi_b // PSUM_BANK_BYTES:
-        raise MatmulLimitError(
+        raise errors.MatmulLimitError(
             f"{op}: dst '{dst.name}' {dst.shape} spans PSUM bytes {lo_b}..{hi_b} of each partition, crossing a "
             f"{PSUM_BANK_BYTES}-byte bank boundary (one matmul output must fit one bank) [ISA, TRN2]"
         )
@@ -439,28 +396,30 @@ def nc_matmul(
     mode = _perf(perf_mode)
     k = st.shape[0]
     if mv.shape[0] != k:
-        raise MatmulLimitError(f"{op}: stationary ({k}) and moving ({mv.shape[0]}) partition sizes differ [ISA]")
+        raise errors.MatmulLimitError(f"{op}: stationary ({k}) and moving ({mv.shape[0]}) partition sizes differ [ISA]")
     row_max, col_max = PMAX, PMAX
     if tile_size:
         row_max, col_max = int(tile_size[0]), int(tile_size[1])
         if mode == "double_row" and col_max != PMAX:
-            raise MatmulLimitError(f"{op}: double_row cannot be combined with column tiling [ISA]")
+            raise errors.MatmulLimitError(f"{op}: double_row cannot be combined with column tiling [ISA]")
     if k > row_max:
-        raise MatmulLimitError(f"{op}: contraction (partition) size {k} exceeds {row_max} [ISA]")
+        raise errors.MatmulLimitError(f"{op}: contraction (partition) size {k} exceeds {row_max} [ISA]")
     for t, n in ((st, "stationary"), (mv, "moving")):
         if t.dtype == dt.float8_e4m3fn:
-            raise DtypeError(f"{op}: {n} dtype float8_e4m3fn is NeuronCore-v4 only; trn2 uses float8_e4m3 [ISA]")
+            raise errors.DtypeError(f"{op}: {n} dtype float8_e4m3fn is NeuronCore-v4 only; trn2 uses float8_e4m3 [ISA]")
     fp32ish = {dt.float32, dt.tfloat32}
     if (st.dtype in fp32ish) != (mv.dtype in fp32ish):
-        raise DtypeError(f"{op}: float32/tfloat32 operands must pair with float32/tfloat32 ({st.dtype}, {mv.dtype})")
+        raise errors.DtypeError(
+            f"{op}: float32/tfloat32 operands must pair with float32/tfloat32 ({st.dtype}, {mv.dtype})"
+        )
     if mode == "double_row":
         if is_transpose:
-            raise MatmulLimitError(f"{op}: double_row cannot be combined with is_transpose [ISA, TRN2]")
+            raise errors.MatmulLimitError(f"{op}: double_row cannot be combined with is_transpose [ISA, TRN2]")
         for t, n in ((st, "stationary"), (mv, "moving")):
             if t.dtype not in (dt.float8_e4m3, dt.float8_e5m2):
-                raise DtypeError(f"{op}: double_row needs fp8 operands; {n} is {t.dtype} [ISA]")
+                raise errors.DtypeError(f"{op}: double_row needs fp8 operands; {n} is {t.dtype} [ISA]")
             if t.ndim < 3 or t.shape[1] != 2:
-                raise MatmulLimitError(
+                raise errors.MatmulLimitError(
                     f"{op}: double_row {n} must be laid out [K/2 partitions, 2, free], got {t.shape} [ISA, TRN2]"
                 )
         m = math.prod(st.shape[2:])
@@ -469,27 +428,29 @@ def nc_matmul(
     else:
         m, nfree, kk = _free(st), _free(mv), k
     if m > col_max:
-        raise MatmulLimitError(f"{op}: stationary free size {m} exceeds {col_max} [ISA]")
+        raise errors.MatmulLimitError(f"{op}: stationary free size {m} exceeds {col_max} [ISA]")
     if nfree > 512:
-        raise MatmulLimitError(f"{op}: moving free size {nfree} exceeds 512 (one PSUM bank of fp32) [ISA]")
+        raise errors.MatmulLimitError(f"{op}: moving free size {nfree} exceeds 512 (one PSUM bank of fp32) [ISA]")
     if dst.shape[0] != m or _free(dst) != nfree:
-        raise ShapeError(f"{op}: dst {dst.shape} must be [{m}, {nfree}] (stationary free x moving free) [ISA]")
+        raise errors.ShapeError(f"{op}: dst {dst.shape} must be [{m}, {nfree}] (stationary free x moving free) [ISA]")
     _count(op)
     c = ctx().counters
     c.matmul_instructions += 1
     c.matmul_macs += kk * m * nfree
     if is_transpose:
         if st.dtype in dt.FP8_DTYPES:
-            raise DtypeError(f"{op}: is_transpose with fp8 is not supported; transpose via bf16 [L-ABT]")
+            raise errors.DtypeError(f"{op}: is_transpose with fp8 is not supported; transpose via bf16 [L-ABT]")
         if dst.dtype != st.dtype:
-            raise DtypeError(f"{op}: is_transpose dst dtype {dst.dtype} must equal stationary dtype {st.dtype} [TRN2]")
+            raise errors.DtypeError(
+                f"{op}: is_transpose dst dtype {dst.dtype} must equal stationary dtype {st.dtype} [TRN2]"
+            )
         if nfree != k or not np.array_equal(_rd(mv, op), np.eye(k, dtype=np.float32)):
-            raise MatmulLimitError(f"{op}: is_transpose needs moving = the [{k}, {k}] identity [ISA]")
+            raise errors.MatmulLimitError(f"{op}: is_transpose needs moving = the [{k}, {k}] identity [ISA]")
         _check_bank(dst, op)
-        dst._write_raw(_rd_raw(st, op).reshape(k, m).T.reshape(dst.shape), op)
+        dst.write_raw(_rd_raw(st, op).reshape(k, m).T.reshape(dst.shape), op)
         return
     if dst.dtype != dt.float32:
-        raise DtypeError(f"{op}: dst must be float32 on trn2, got {dst.dtype} [ISA]")
+        raise errors.DtypeError(f"{op}: dst must be float32 on trn2, got {dst.dtype} [ISA]")
     _check_bank(dst, op)
     a = _rd(st, op).astype(np.float64).reshape(kk, m)
     b = _rd(mv, op).astype(np.float64).reshape(kk, nfree)
@@ -498,7 +459,7 @@ def nc_matmul(
 
 
 def _psum_accumulate(dst: NkiTensor, res: np.ndarray, accumulate: bool | None, op: str) -> None:
-    mask = np.ndarray(dst.shape, np.bool_, dst._st.mm_written, dst.offset, dst.strides)
+    mask = np.ndarray(dst.shape, np.bool_, dst.storage.mm_written, dst.offset, dst.strides)
     written = mask.reshape(dst.shape[0], -1)
     if accumulate is None:
         out = np.where(written, _rd(dst, op) + res, res).astype(np.float32)
@@ -524,38 +485,45 @@ def nc_transpose(dst: NkiTensor, data: NkiTensor, engine: engine = engine.unknow
     data = _onchip(data, op, "data")
     p, f = data.shape[0], _free(data)
     if dst.shape[0] != f or _free(dst) != p:
-        raise ShapeError(f"{op}: dst {dst.shape} must be the transpose [{f}, {p}] of data {data.shape}")
+        raise errors.ShapeError(f"{op}: dst {dst.shape} must be the transpose [{f}, {p}] of data {data.shape}")
     if dst.dtype != data.dtype:
-        raise DtypeError(f"{op}: dst dtype {dst.dtype} must equal data dtype {data.dtype} [ISA]")
+        raise errors.DtypeError(f"{op}: dst dtype {dst.dtype} must equal data dtype {data.dtype} [ISA]")
     use_pe = engine is _ENGINE.tensor or (
         engine is _ENGINE.unknown and data.buffer is MemoryRegion.sbuf and dst.buffer is MemoryRegion.psum
     )
     if use_pe:
         if data.buffer is not MemoryRegion.sbuf or dst.buffer is not MemoryRegion.psum:
-            raise MemorySpaceError(f"{op}: TensorE transpose reads SBUF and writes PSUM [ISA]")
+            raise errors.MemorySpaceError(f"{op}: TensorE transpose reads SBUF and writes PSUM [ISA]")
         if f > PMAX:
-            raise MatmulLimitError(f"{op}: data free size {f} exceeds 128 [ISA]")
+            raise errors.MatmulLimitError(f"{op}: data free size {f} exceeds 128 [ISA]")
         if data.dtype in dt.FP8_DTYPES:
-            raise DtypeError(f"{op}: fp8 transpose is not supported; transpose via bf16 [L-ABT]")
+            raise errors.DtypeError(f"{op}: fp8 transpose is not supported; transpose via bf16 [L-ABT]")
         _check_bank(dst, op)
         ctx().counters.transpose_instructions += 1
     else:
         if p > 32 or f > 32:
-            raise MatmulLimitError(f"{op}: VectorE transpose is limited to [32, 32], got [{p}, {f}] [ISA]")
+            raise errors.MatmulLimitError(f"{op}: VectorE transpose is limited to [32, 32], got [{p}, {f}] [ISA]")
     _count(op)
-    dst._write_raw(_rd_raw(data, op).T.reshape(dst.shape), op)
+    dst.write_raw(_rd_raw(data, op).T.reshape(dst.shape), op)
 
 
 # ---- Scalar Engine ---------------------------------------------------------------------------
-def _reduce_regs(regs: np.ndarray, parts: int, rowsum: np.ndarray | None, cmd: Any, op: str) -> None:
+def _reduce_regs(regs: np.ndarray, y: np.ndarray, rn: str, cmd: Any, reduce_res: NkiTensor | None, op: str) -> None:
+    """An engine's per-partition fp32 accumulator registers under ``reduce_cmd`` [ISA]: ``reset`` sets them to the
+    identity of ``rn``, ``reduce`` folds in the ``rn``-reduction of each row of ``y``, ``reset_reduce`` does both,
+    ``idle`` leaves them; ``reduce_res`` (P, 1) receives them."""
     if not isinstance(cmd, _RCMD):
-        raise NkiValidationError(f"{op}: reduce_cmd must be a nisa.reduce_cmd value")
-    if cmd is reduce_cmd.load_reduce:
-        raise NkiValidationError(f"{op}: reduce_cmd.load_reduce is not emulated")
-    if cmd in (reduce_cmd.reset, reduce_cmd.reset_reduce):
-        regs[:parts] = 0.0
-    if cmd in (reduce_cmd.reduce, reduce_cmd.reset_reduce) and rowsum is not None:
-        regs[:parts] = (regs[:parts] + rowsum).astype(np.float32)
+        raise errors.NkiValidationError(f"{op}: reduce_cmd must be a nisa.reduce_cmd value")
+    if cmd is _RCMD.load_reduce:
+        raise errors.NkiValidationError(f"{op}: reduce_cmd.load_reduce is not emulated")
+    parts = y.shape[0]
+    if cmd in (_RCMD.reset, _RCMD.reset_reduce):
+        regs[:parts] = ops.REDUCE_INIT[rn]
+    if cmd in (_RCMD.reduce, _RCMD.reset_reduce):
+        rows = ops.reduce_arith(rn, y, (1,))
+        regs[:parts] = ops.reduce_arith(rn, np.stack([regs[:parts], rows], axis=1), (1,))
+    if reduce_res is not None:
+        _wr(reduce_res, regs[:parts].reshape(parts, 1), op)
 
 
 def activation(
@@ -577,27 +545,25 @@ def activation(
     fp32 registers shared by the activation family persist across instructions; ``reduce_cmd``
     ``reset`` zeroes them, ``idle`` leaves them, ``reduce`` adds the row sums of this instruction's
     fp32 output, ``reset_reduce`` zeroes then adds (the docstring's pseudocode is ambiguous; this is
-    the note's reading, UNCONFIRMED); ``reduce_res`` (P, 1) receives the registers. Registers are
+    docs/nki-0.6.md's reading, UNCONFIRMED); ``reduce_res`` (P, 1) receives the registers. Registers are
     NaN-poisoned at kernel start, so reading them with ``idle`` before any reset shows NaN.
     """
     opn = "activation"
     fn_name = ops.op_name(op, opn)
     if fn_name not in ops.ACTIVATIONS:
-        raise NkiValidationError(f"{opn}: op {fn_name} is not an activation function [SHARED]")
-    dst = _onchip(dst, opn, "dst")
-    data = _onchip(data, opn, "data")
-    _same_layout(dst, data, opn, "dst", "data")
+        raise errors.NkiValidationError(f"{opn}: op {fn_name} is not an activation function [SHARED]")
+    dst, data = _like_dst(opn, dst, data=data)
     parts = data.shape[0]
     if isinstance(bias, NkiTensor) and bias.dtype == dt.tfloat32:
-        raise DtypeError(f"{opn}: bias cannot be tfloat32 [ISA]")
+        raise errors.DtypeError(f"{opn}: bias cannot be tfloat32 [ISA]")
     sc = _scalar_or_column(scale, parts, opn, "scale", fp32_only=True)
     bi = None if bias is None else _scalar_or_column(bias, parts, opn, "bias")
     if reduce_op is not None and ops.op_name(reduce_op, opn) != "add":
-        raise NkiValidationError(f"{opn}: reduce_op must be nl.add [ISA]")
+        raise errors.NkiValidationError(f"{opn}: reduce_op must be nl.add [ISA]")
     if reduce_res is not None:
         reduce_res = _onchip(reduce_res, opn, "reduce_res")
         if reduce_res.shape[0] != parts or _free(reduce_res) != 1:
-            raise ShapeError(f"{opn}: reduce_res must be ({parts}, 1), got {reduce_res.shape}")
+            raise errors.ShapeError(f"{opn}: reduce_res must be ({parts}, 1), got {reduce_res.shape}")
     _count(opn)
     x = _rd(data, opn)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -605,30 +571,8 @@ def activation(
         if bi is not None:
             t = t + bi
     y = ops.activation_fn(fn_name)(t)
-    rowsum = None
-    if reduce_op is not None or reduce_cmd in (_RCMD.reduce, _RCMD.reset_reduce):
-        rowsum = ops.reduce_arith("add", y, (1,))
     _wr(dst, y, opn)
-    regs = ctx().act_regs
-    _reduce_regs(regs, parts, rowsum, reduce_cmd, opn)
-    if reduce_res is not None:
-        _wr(reduce_res, regs[:parts].reshape(parts, 1), opn)
-
-
-def activation_reduce(
-    dst: NkiTensor,
-    op: Any,
-    data: NkiTensor,
-    reduce_op: Any,
-    reduce_res: NkiTensor,
-    bias: Any = None,
-    scale: Any = 1.0,
-    name: str | None = None,
-) -> None:
-    """``activation`` with ``reduce_cmd.reset_reduce`` and a ``reduce_res`` read-out: ``reduce_res[p] =
-    sum_free op(data * scale + bias)[p]`` [ISA activation_reduce]."""
-    activation(dst, op, data, bias=bias, scale=scale, reduce_op=reduce_op, reduce_res=reduce_res,
-               reduce_cmd=reduce_cmd.reset_reduce)  # fmt: skip
+    _reduce_regs(ctx().act_regs, y, "add", reduce_cmd, reduce_res, opn)
 
 
 # ---- Vector Engine ---------------------------------------------------------------------------
@@ -648,18 +592,12 @@ def tensor_tensor(
     """
     opn = "tensor_tensor"
     name_ = ops.op_name(op, opn)
-    dst = _onchip(dst, opn, "dst")
-    a = _onchip(data1, opn, "data1")
-    b = _onchip(data2, opn, "data2")
-    _same_layout(dst, a, opn, "dst", "data1")
-    _same_layout(dst, b, opn, "dst", "data2")
-    if a.buffer is MemoryRegion.psum and b.buffer is MemoryRegion.psum:
-        raise MemorySpaceError(f"{opn}: data1 and data2 cannot both be in PSUM [ISA]")
+    dst, a, b = _like_dst(opn, dst, data1=data1, data2=data2)
     all_int = dt.is_int(a.dtype) and dt.is_int(b.dtype) and dt.is_int(dst.dtype)
     _count(opn)
     if _is_bitvec(name_) or (all_int and name_ in ("add", "subtract", "multiply", "maximum", "minimum")):
         if not all_int:
-            raise DtypeError(f"{opn}: bitvec op {name_} needs integer tiles [SHARED]")
+            raise errors.DtypeError(f"{opn}: bitvec op {name_} needs integer tiles [SHARED]")
         x, y = _int_vals(a, opn), _int_vals(b, opn)
         fn = (
             ops.BITVEC.get(name_)
@@ -703,20 +641,18 @@ def tensor_scalar(
     integers; both ops must be of the same kind [ISA].
     """
     opn = "tensor_scalar"
-    dst = _onchip(dst, opn, "dst")
-    data = _onchip(data, opn, "data")
-    _same_layout(dst, data, opn, "dst", "data")
+    dst, data = _like_dst(opn, dst, data=data)
     n0 = ops.op_name(op0, opn)
     n1 = None if op1 is None else ops.op_name(op1, opn)
     if (op1 is None) != (operand1 is None) and n1 not in ops.UNARY_ALU:
-        raise NkiValidationError(f"{opn}: op1 and operand1 must both be given or both be None [ISA]")
+        raise errors.NkiValidationError(f"{opn}: op1 and operand1 must both be given or both be None [ISA]")
     parts = data.shape[0]
     _count(opn)
     if _is_bitvec(n0) or (n1 is not None and _is_bitvec(n1)):
         if not (_is_bitvec(n0) and (n1 is None or _is_bitvec(n1))):
-            raise NkiValidationError(f"{opn}: op0 and op1 must both be bitvec or both arithmetic [ISA]")
+            raise errors.NkiValidationError(f"{opn}: op0 and op1 must both be bitvec or both arithmetic [ISA]")
         if not (dt.is_int(data.dtype) and dt.is_int(dst.dtype)):
-            raise DtypeError(f"{opn}: bitvec ops need integer data and dst [ISA]")
+            raise errors.DtypeError(f"{opn}: bitvec ops need integer data and dst [ISA]")
         x = _int_vals(data, opn)
         for nm, operand, rev in ((n0, operand0, reverse0), (n1, operand1, reverse1)):
             if nm is None:
@@ -755,13 +691,7 @@ def scalar_tensor_tensor(
     math with one rounding per op (so ``S*lam + kv`` rounds twice, like unfused torch), cast on write.
     """
     opn = "scalar_tensor_tensor"
-    dst = _onchip(dst, opn, "dst")
-    data = _onchip(data, opn, "data")
-    t1 = _onchip(operand1, opn, "operand1")
-    _same_layout(dst, data, opn, "dst", "data")
-    _same_layout(dst, t1, opn, "dst", "operand1")
-    if data.buffer is MemoryRegion.psum and t1.buffer is MemoryRegion.psum:
-        raise MemorySpaceError(f"{opn}: data and operand1 cannot both be in PSUM [ISA]")
+    dst, data, t1 = _like_dst(opn, dst, data=data, operand1=operand1)
     n0, n1 = ops.op_name(op0, opn), ops.op_name(op1, opn)
     _count(opn)
     x = _rd(data, opn)
@@ -775,7 +705,7 @@ def _axes(axis: Any, ndim: int, op: str) -> tuple[int, ...]:
     ax = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
     ax = tuple(int(a) % ndim for a in ax)
     if 0 in ax or sorted(ax) != list(range(ndim - len(ax), ndim)):
-        raise NkiValidationError(
+        raise errors.NkiValidationError(
             f"{op}: axis {axis} must be trailing free dims ending at the last dim (never the partition dim) [ISA]"
         )
     return tuple(sorted(ax))
@@ -803,80 +733,28 @@ def tensor_reduce(
     ax = _axes(axis, data.ndim, opn)
     kept = math.prod(data.shape[k] for k in range(1, data.ndim) if k not in ax)
     if dst.shape[0] != data.shape[0] or _free(dst) != kept:
-        raise ShapeError(f"{opn}: dst {dst.shape} must have {data.shape[0]} partitions x {kept} elements [ISA]")
+        raise errors.ShapeError(f"{opn}: dst {dst.shape} must have {data.shape[0]} partitions x {kept} elements [ISA]")
     if name_ not in ops.REDUCE_INIT:
-        raise NkiValidationError(f"{opn}: {name_} is not a reduction op [SHARED]")
+        raise errors.NkiValidationError(f"{opn}: {name_} is not a reduction op [SHARED]")
     _count(opn)
     if _is_bitvec(name_):
         if not dt.is_int(data.dtype):
-            raise DtypeError(f"{opn}: bitvec reduce needs integer data")
-        x = data._read_raw(opn).astype(np.int64)
+            raise errors.DtypeError(f"{opn}: bitvec reduce needs integer data")
+        x = data.read_raw(opn).astype(np.int64)
         r = ops.reduce_bitvec(name_, x, ax)
         _wr(dst, r.reshape(dst.shape[0], -1), opn)
         return
-    x = dt.to_f32(data._read_raw(opn))
+    x = dt.to_f32(data.read_raw(opn))
     r = ops.reduce_arith(name_, x, ax)
     if negate:
         r = -r
     _wr(dst, r.reshape(dst.shape[0], -1), opn)
 
 
-def tensor_scalar_reduce(
-    dst: NkiTensor,
-    data: NkiTensor,
-    op0: Any,
-    operand0: Any,
-    reduce_op: Any,
-    reduce_res: NkiTensor | None = None,
-    reverse0: bool = False,
-    reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce,
-    reduce_init: Any = None,
-    reduce_res_negate: bool = False,
-    name: str | None = None,
-) -> None:
-    """``dst = data op0 operand0``; ``reduce_res[p] = reduce_op`` over the free elements of ``dst``'s
-    fp32 values [ISA tensor_scalar_reduce]. ``reduce_op`` in add/multiply/maximum/minimum;
-    ``reverse0`` unsupported; ``reset_reduce`` (default) starts from the op's identity
-    (0/1/-inf/+inf), ``reduce`` folds into the VectorE registers, ``reduce_init`` overrides the start
-    value; ``reduce_res_negate`` negates the read-out."""
-    opn = "tensor_scalar_reduce"
-    if reverse0:
-        raise NkiValidationError(f"{opn}: reverse0 is not supported [ISA]")
-    dst = _onchip(dst, opn, "dst")
-    data = _onchip(data, opn, "data")
-    _same_layout(dst, data, opn, "dst", "data")
-    n0, rn = ops.op_name(op0, opn), ops.op_name(reduce_op, opn)
-    if rn not in ("add", "multiply", "maximum", "minimum"):
-        raise NkiValidationError(f"{opn}: reduce_op must be add/multiply/maximum/minimum, got {rn} [ISA]")
-    parts = data.shape[0]
-    _count(opn)
-    x = _rd(data, opn)
-    v0 = None if n0 in ops.UNARY_ALU else _scalar_or_column(operand0, parts, opn, "operand0", fp32_only=True)
-    y = _ts_apply(x, n0, v0, False, opn)
-    _wr(dst, y, opn)
-    regs = ctx().vec_regs
-    part = ops.reduce_arith(rn, y, (1,))
-    if reduce_cmd in (_RCMD.reset, _RCMD.reset_reduce):
-        init = ops.REDUCE_INIT[rn] if reduce_init is None else reduce_init
-        regs[:parts] = (
-            _scalar_or_column(init, parts, opn, "reduce_init")[:, 0]
-            if not isinstance(init, float)
-            else np.float32(init)
-        )
-    if reduce_cmd in (_RCMD.reduce, _RCMD.reset_reduce):
-        regs[:parts] = ops.reduce_arith(rn, np.stack([regs[:parts], part], axis=1), (1,))
-    if reduce_res is not None:
-        reduce_res = _onchip(reduce_res, opn, "reduce_res")
-        out = regs[:parts].reshape(parts, 1)
-        _wr(reduce_res, -out if reduce_res_negate else out, opn)
-
-
 def reciprocal(dst: NkiTensor, data: NkiTensor, name: str | None = None) -> None:
     """``dst = 1 / data`` on VectorE, correctly rounded fp32 [ISA reciprocal]."""
     opn = "reciprocal"
-    dst = _onchip(dst, opn, "dst")
-    data = _onchip(data, opn, "data")
-    _same_layout(dst, data, opn, "dst", "data")
+    dst, data = _like_dst(opn, dst, data=data)
     _count(opn)
     with np.errstate(divide="ignore"):
         _wr(dst, (np.float32(1.0) / _rd(data, opn)).astype(np.float32), opn)
@@ -889,100 +767,22 @@ def tensor_copy_predicated(
     unchanged [ISA tensor_copy_predicated]. predicate uint8/uint16/uint32; src/dst same dtype; src and
     predicate not both in PSUM; ``reverse_pred`` inverts the predicate."""
     opn = "tensor_copy_predicated"
-    dst = _onchip(dst, opn, "dst")
-    pred = _onchip(predicate, opn, "predicate")
-    _same_layout(dst, pred, opn, "dst", "predicate")
+    tile = {"src": src} if isinstance(src, NkiTensor) else {}
+    dst, pred, *src_tile = _like_dst(opn, dst, predicate=predicate, **tile)
     if pred.dtype not in (dt.uint8, dt.uint16, dt.uint32):
-        raise DtypeError(f"{opn}: predicate must be uint8/uint16/uint32, got {pred.dtype} [ISA]")
+        raise errors.DtypeError(f"{opn}: predicate must be uint8/uint16/uint32, got {pred.dtype} [ISA]")
     p = _rd_raw(pred, opn) != 0
     if reverse_pred:
         p = ~p
     cur = _rd_raw(dst, opn)
-    if isinstance(src, NkiTensor):
-        src = _onchip(src, opn, "src")
-        _same_layout(dst, src, opn, "dst", "src")
-        if src.dtype != dst.dtype:
-            raise DtypeError(f"{opn}: src ({src.dtype}) and dst ({dst.dtype}) must share a dtype [ISA]")
-        if src.buffer is MemoryRegion.psum and pred.buffer is MemoryRegion.psum:
-            raise MemorySpaceError(f"{opn}: src and predicate cannot both be in PSUM [ISA]")
-        val = _rd_raw(src, opn)
+    if src_tile:
+        if src_tile[0].dtype != dst.dtype:
+            raise errors.DtypeError(f"{opn}: src ({src_tile[0].dtype}) and dst ({dst.dtype}) must share a dtype [ISA]")
+        val = _rd_raw(src_tile[0], opn)
     else:
         val = dt.cast(np.full(cur.shape, src, np.float64 if dt.is_float(dst.dtype) else np.int64), dst.dtype)
     _count(opn)
-    dst._write_raw(np.where(p, val, cur).reshape(dst.shape), opn)
-
-
-def affine_select(
-    dst: NkiTensor,
-    pattern: Any,
-    channel_multiplier: int,
-    on_true_tile: NkiTensor,
-    on_false_value: float,
-    cmp_op: Any = None,
-    offset: int = 0,
-    name: str | None = None,
-) -> None:
-    """``dst = cmp_op(affine, 0) ? on_true_tile : on_false_value`` with ``affine = offset +
-    p * channel_multiplier + sum(step_k * i_k)`` (iota formula) [ISA affine_select]; dst and
-    on_true_tile in SBUF; ``cmp_op`` defaults to ``nl.equal``; on_false_value fp32."""
-    opn = "affine_select"
-    dst = _onchip(dst, opn, "dst", (MemoryRegion.sbuf,))
-    on_true = _onchip(on_true_tile, opn, "on_true_tile", (MemoryRegion.sbuf,))
-    _same_layout(dst, on_true, opn, "dst", "on_true_tile")
-    cmp = "equal" if cmp_op is None else ops.op_name(cmp_op, opn)
-    nums = [int(p[1]) for p in pattern]
-    if math.prod(nums) != _free(dst):
-        raise ShapeError(f"{opn}: pattern has {math.prod(nums)} elements, dst has {_free(dst)} per partition")
-    v = np.full((1,), int(offset), np.int64)
-    for s, n in pattern:
-        v = (v[:, None] + int(s) * np.arange(int(n), dtype=np.int64)[None, :]).reshape(-1)
-    aff = (np.arange(dst.shape[0], dtype=np.int64)[:, None] * int(channel_multiplier) + v[None, :]).astype(np.float32)
-    pred = _alu(cmp, aff, np.zeros_like(aff), opn) != 0
-    _count(opn)
-    _wr(dst, np.where(pred, _rd(on_true, opn), np.float32(on_false_value)), opn)
-
-
-def select_reduce(
-    dst: NkiTensor,
-    predicate: NkiTensor,
-    on_true: NkiTensor,
-    on_false: Any,
-    reduce_res: NkiTensor | None = None,
-    reduce_cmd: reduce_cmd = reduce_cmd.idle,
-    reduce_op: Any = None,
-    reverse_pred: bool = False,
-    name: str | None = None,
-) -> None:
-    """``dst = predicate ? on_true : on_false`` (on_false: fp32 scalar or tile), with an optional
-    per-partition max (``reduce_op`` = ``nl.maximum``) of the result into the VectorE registers /
-    ``reduce_res`` [ISA select_reduce]. predicate int8/uint8/int16/uint16."""
-    opn = "select_reduce"
-    dst = _onchip(dst, opn, "dst")
-    pred = _onchip(predicate, opn, "predicate")
-    on_true = _onchip(on_true, opn, "on_true")
-    _same_layout(dst, pred, opn, "dst", "predicate")
-    _same_layout(dst, on_true, opn, "dst", "on_true")
-    if pred.dtype not in (dt.int8, dt.uint8, dt.int16, dt.uint16):
-        raise DtypeError(f"{opn}: predicate must be int8/uint8/int16/uint16, got {pred.dtype} [ISA]")
-    rn = "maximum" if reduce_op is None else ops.op_name(reduce_op, opn)
-    p = _rd_raw(pred, opn) != 0
-    if reverse_pred:
-        p = ~p
-    if isinstance(on_false, NkiTensor):
-        of = _rd(_onchip(on_false, opn, "on_false"), opn)
-    else:
-        of = np.float32(on_false)
-    y = np.where(p, _rd(on_true, opn), of).astype(np.float32)
-    _count(opn)
-    _wr(dst, y, opn)
-    parts = dst.shape[0]
-    regs = ctx().vec_regs
-    if reduce_cmd in (_RCMD.reset, _RCMD.reset_reduce):
-        regs[:parts] = ops.REDUCE_INIT[rn]
-    if reduce_cmd in (_RCMD.reduce, _RCMD.reset_reduce):
-        regs[:parts] = ops.reduce_arith(rn, np.concatenate([regs[:parts, None], y], axis=1), (1,))
-    if reduce_res is not None:
-        _wr(_onchip(reduce_res, opn, "reduce_res"), regs[:parts].reshape(parts, 1), opn)
+    dst.write_raw(np.where(p, val, cur).reshape(dst.shape), opn)
 
 
 FP32_MIN = float(np.finfo(np.float32).min)
@@ -1007,39 +807,32 @@ def range_select(
     goes to the VectorE registers / ``reduce_res`` [ISA range_select]. Bounds are fp32 (P, 1)."""
     opn = "range_select"
     if on_false_value != FP32_MIN:
-        raise NkiValidationError(f"{opn}: on_false_value must be FP32_MIN (-3.4028235e38) [ISA]")
-    dst = _onchip(dst, opn, "dst")
-    on_true = _onchip(on_true_tile, opn, "on_true_tile")
-    _same_layout(dst, on_true, opn, "dst", "on_true_tile")
+        raise errors.NkiValidationError(f"{opn}: on_false_value must be FP32_MIN (-3.4028235e38) [ISA]")
+    dst, on_true = _like_dst(opn, dst, on_true_tile=on_true_tile)
     parts = dst.shape[0]
     b0 = _scalar_or_column(bound0, parts, opn, "bound0", fp32_only=True)
     b1 = _scalar_or_column(bound1, parts, opn, "bound1", fp32_only=True)
     c0, c1 = ops.op_name(comp_op0, opn), ops.op_name(comp_op1, opn)
     for c in (c0, c1):
         if c not in ("equal", "less", "less_equal", "greater", "greater_equal"):
-            raise NkiValidationError(f"{opn}: comparison {c} not allowed [ISA]")
+            raise errors.NkiValidationError(f"{opn}: comparison {c} not allowed [ISA]")
     j = (np.arange(_free(dst), dtype=np.float32) + np.float32(range_start))[None, :]
     keep = (_alu(c0, j, b0, opn) != 0) & (_alu(c1, j, b1, opn) != 0)
     y = np.where(keep, _rd(on_true, opn), np.float32(on_false_value)).astype(np.float32)
     _count(opn)
     _wr(dst, y, opn)
     rn = "maximum" if reduce_op is None else ops.op_name(reduce_op, opn)
-    regs = ctx().vec_regs
-    if reduce_cmd in (_RCMD.reset, _RCMD.reset_reduce):
-        regs[:parts] = ops.REDUCE_INIT[rn]
-    if reduce_cmd in (_RCMD.reduce, _RCMD.reset_reduce):
-        regs[:parts] = ops.reduce_arith(rn, np.concatenate([regs[:parts, None], y], axis=1), (1,))
-    if reduce_res is not None:
-        _wr(_onchip(reduce_res, opn, "reduce_res"), regs[:parts].reshape(parts, 1), opn)
+    res = None if reduce_res is None else _onchip(reduce_res, opn, "reduce_res")
+    _reduce_regs(ctx().vec_regs, y, rn, reduce_cmd, res, opn)
 
 
 # ---- registers [ISA, LG] ---------------------------------------------------------------------
 def _scalar_tensor_value(t: NkiTensor, op: str) -> int:
     if t.size != 1:
-        raise ShapeError(f"{op}: source tensor must hold exactly one element, has shape {t.shape}")
+        raise errors.ShapeError(f"{op}: source tensor must hold exactly one element, has shape {t.shape}")
     if t.buffer is MemoryRegion.psum:
-        raise MemorySpaceError(f"{op}: registers load from SBUF or HBM [ISA]")
-    v = t._read_raw(op).reshape(-1)[0]
+        raise errors.MemorySpaceError(f"{op}: registers load from SBUF or HBM [ISA]")
+    v = t.read_raw(op).reshape(-1)[0]
     if np.issubdtype(v.dtype, np.integer):
         return int(v)
     return int(dt.cast(np.asarray([float(v)]), dt.int32)[0])
@@ -1054,31 +847,13 @@ def register_alloc(x: Any = None) -> VirtualRegister:
     if isinstance(x, NkiTensor):
         return VirtualRegister(_scalar_tensor_value(x, "register_alloc"))
     if isinstance(x, VirtualRegister):
-        return VirtualRegister(x._get("register_alloc"))
+        return VirtualRegister(x.read("register_alloc"))
     return VirtualRegister(int(x))
-
-
-def register_move(dst: VirtualRegister, src: Any) -> None:
-    """``dst = src`` (a register or an int constant) [ISA register_move]."""
-    if not isinstance(dst, VirtualRegister):
-        raise RegisterError("register_move: dst must be a VirtualRegister")
-    _count("register_move")
-    dst._set(src._get("register_move") if isinstance(src, VirtualRegister) else int(src), "register_move")
 
 
 def register_load(dst: VirtualRegister, src: NkiTensor) -> None:
     """``dst = src[0]`` from a one-element SBUF/HBM tensor [ISA register_load]."""
     if not isinstance(dst, VirtualRegister):
-        raise RegisterError("register_load: dst must be a VirtualRegister")
+        raise errors.RegisterError("register_load: dst must be a VirtualRegister")
     _count("register_load")
-    dst._set(_scalar_tensor_value(_tensor(src, "register_load", "src"), "register_load"), "register_load")
-
-
-def register_store(dst: NkiTensor, src: VirtualRegister) -> None:
-    """``dst[0] = src`` into a one-element SBUF/HBM tensor [ISA register_store]."""
-    dst = _tensor(dst, "register_store", "dst")
-    if dst.size != 1:
-        raise ShapeError(f"register_store: dst must hold one element, has shape {dst.shape}")
-    _count("register_store")
-    v = src._get("register_store")
-    dst._write_raw(dt.cast(np.asarray([v], np.int64), dst.dtype).reshape(dst.shape), "register_store")
+    dst.write(_scalar_tensor_value(_tensor(src, "register_load", "src"), "register_load"), "register_load")

@@ -12,7 +12,7 @@ repeated allocations at one site (Python loops, which are unrolled on hardware w
 allocator reuses the space, and ``fori_loop`` bodies [DYN]) count once, at their largest size. All
 sites are live until the kernel returns. A kernel whose sites together exceed 192 KiB per partition of
 SBUF (24 MiB / 128, the project's trn2 budget) or 16 KiB per partition of PSUM (8 banks x 2 KiB
-[TRN2, L-KH]) fails with ``CapacityError``. PSUM sites are counted in whole banks (an allocation
+[TRN2, L-KH]) fails with ``errors.CapacityError``. PSUM sites are counted in whole banks (an allocation
 starts on a bank boundary [MIG]; that tiles never share a bank is our UNCONFIRMED assumption).
 """
 
@@ -29,14 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes as dt
-from .errors import (
-    CapacityError,
-    NkiValidationError,
-    OutOfBoundsError,
-    PartitionLimitError,
-    RegisterError,
-    ShapeError,
-)
+from . import errors
 
 PMAX = 128
 PSUM_BANK_BYTES = 2048
@@ -59,7 +52,7 @@ class MemoryRegion(Enum):
 def _region(buffer: object) -> MemoryRegion:
     if isinstance(buffer, MemoryRegion):
         return buffer
-    raise NkiValidationError(
+    raise errors.NkiValidationError(
         f"buffer must be nl.sbuf / nl.psum / nl.hbm / nl.shared_hbm, got {buffer!r} (string buffer names are "
         "rejected since NKI 0.3 [MIG])"
     )
@@ -75,7 +68,7 @@ class Counters:
 
     DMA bytes count the bytes actually transferred (OOB-skipped rows are not counted), on the HBM side
     for HBM<->SBUF (``src`` bytes for HBM->SBUF, ``dst`` bytes for SBUF->HBM); ``dma_instructions``
-    counts ``dma_copy`` calls (and ``nl.load`` / ``nl.store``). ``matmul_instructions`` counts every
+    counts ``dma_copy`` calls. ``matmul_instructions`` counts every
     ``nc_matmul`` call (including ``is_transpose=True``) and ``matmul_macs`` their
     contraction x stationary-free x moving-free products (double_row: contraction = 2 x partitions);
     ``transpose_instructions`` counts ``nc_transpose``. ``instructions`` maps every executed ISA
@@ -107,15 +100,13 @@ class Counters:
 class KernelContext:
     """State of one kernel call: counters, allocation sites, engine accumulator registers."""
 
-    def __init__(self, program_id: int = 0, num_programs: int = 1, check_capacity: bool = True) -> None:
+    def __init__(self, check_capacity: bool = True) -> None:
         self.counters = Counters()
-        self.program_id = program_id
-        self.num_programs = num_programs
         self.check_capacity = check_capacity
         self.sbuf_sites: dict[tuple, int] = {}
         self.psum_sites: dict[tuple, int] = {}
         # Per-partition fp32 accumulator registers of ScalarE (activation family) and VectorE
-        # (tensor_scalar_reduce, range_select, select_reduce) [ISA]; NaN until first reset.
+        # (range_select here) [ISA]; NaN until first reset.
         self.act_regs = np.full(PMAX, np.nan, np.float32)
         self.vec_regs = np.full(PMAX, np.nan, np.float32)
         self.runner_code: Any = None
@@ -149,7 +140,7 @@ class KernelContext:
             self.counters.psum_bytes_per_partition = total
         if self.check_capacity and total > limit:
             where = ", ".join(f"{os.path.basename(fn)}:{ln}" for fn, ln in site[:2])
-            raise CapacityError(
+            raise errors.CapacityError(
                 f"nl.ndarray: {what} allocations total {total} bytes per partition over "
                 f"{len(sites)} allocation sites, exceeding the {limit}-byte capacity (latest site {where})"
             )
@@ -190,7 +181,7 @@ class Storage:
     def typed(self, dtype: str) -> np.ndarray:
         isz = dt.itemsize(dtype)
         if self.nbytes % isz:
-            raise ShapeError(f"storage '{self.name}' of {self.nbytes} bytes cannot be viewed as {dtype}")
+            raise errors.ShapeError(f"storage '{self.name}' of {self.nbytes} bytes cannot be viewed as {dtype}")
         return self.raw.view(dt.np_dtype(dtype))
 
     def size_in(self, dtype: str) -> int:
@@ -198,7 +189,10 @@ class Storage:
 
 
 @dataclasses.dataclass
-class _Dyn:
+class Indirect:
+    """How an indirect view (``.ap(scalar_offset=...)``, ``.ap(vector_offset=...)``, ``select``) addresses
+    its tensor."""
+
     kind: str  # "scalar" or "vector"
     source: Any  # VirtualRegister or NkiTensor
     dim: int  # result dim the dynamic index drives (vector: 0)
@@ -217,21 +211,25 @@ class VirtualRegister:
         self._value = None if value is None else _wrap32(value)
         self.frozen = frozen
 
-    def _get(self, what: str = "read") -> int:
+    def read(self, what: str = "read") -> int:
+        """The register's value; `what` names the reader in the error if it was never written."""
         if self._value is None:
-            raise RegisterError(f"{what}: VirtualRegister read before it was written (register_alloc() without init)")
+            raise errors.RegisterError(
+                f"{what}: VirtualRegister read before it was written (register_alloc() without init)"
+            )
         return self._value
 
-    def _set(self, value: int, what: str) -> None:
+    def write(self, value: int, what: str) -> None:
+        """Set the value (wrapped to 32 bits); a fori_loop induction register refuses."""
         if self.frozen:
-            raise RegisterError(f"{what}: the fori_loop induction register is read-only [NL fori_loop]")
+            raise errors.RegisterError(f"{what}: the fori_loop induction register is read-only [NL fori_loop]")
         self._value = _wrap32(value)
 
     def __bool__(self) -> bool:
-        raise RegisterError("a VirtualRegister has no Python truth value (runtime value; use nl.fori_loop/while_loop)")
+        raise errors.RegisterError("a VirtualRegister has no Python truth value (runtime value; use nl.fori_loop)")
 
     def __index__(self) -> int:
-        raise RegisterError("a VirtualRegister cannot be used as a Python int (runtime value)")
+        raise errors.RegisterError("a VirtualRegister cannot be used as a Python int (runtime value)")
 
     __int__ = __index__
 
@@ -247,13 +245,13 @@ def _wrap32(v: int) -> int:
 def scalar_value(src: Any, what: str) -> int:
     """Runtime value of a scalar offset: a register or a 1-element SBUF tensor."""
     if isinstance(src, VirtualRegister):
-        return src._get(what)
+        return src.read(what)
     if isinstance(src, NkiTensor):
         if src.size != 1:
-            raise ShapeError(f"{what}: scalar_offset tensor must hold one element, has shape {src.shape}")
-        v = src._read_raw().reshape(-1)[0]
+            raise errors.ShapeError(f"{what}: scalar_offset tensor must hold one element, has shape {src.shape}")
+        v = src.read_raw().reshape(-1)[0]
         return int(v) if np.issubdtype(v.dtype, np.integer) else int(np.rint(float(v)))
-    raise NkiValidationError(f"{what}: scalar_offset must be a VirtualRegister or a (1,1) SBUF tensor")
+    raise errors.NkiValidationError(f"{what}: scalar_offset must be a VirtualRegister or a (1,1) SBUF tensor")
 
 
 class DynSlice:
@@ -261,7 +259,7 @@ class DynSlice:
 
     def __init__(self, start: int, size: int) -> None:
         if isinstance(start, (VirtualRegister, NkiTensor)):
-            raise NkiValidationError("nl.ds with a runtime start is not supported; use .ap(scalar_offset=...)")
+            raise errors.NkiValidationError("nl.ds with a runtime start is not supported; use .ap(scalar_offset=...)")
         self.start = int(start)
         self.size = int(size)
 
@@ -276,24 +274,24 @@ class NkiTensor:
         shape: tuple[int, ...],
         strides: tuple[int, ...],
         offset: int,
-        dyn: _Dyn | None = None,
+        dyn: Indirect | None = None,
     ) -> None:
-        self._st = st
+        self.storage = st
         self.dtype = dtype
         self.shape = tuple(int(s) for s in shape)
         self.strides = tuple(int(s) for s in strides)
         self.offset = int(offset)
-        self._dyn = dyn
+        self.indirect = dyn
         self._idx: np.ndarray | None = None
 
     # ---- attributes ------------------------------------------------------------------------
     @property
     def buffer(self) -> MemoryRegion:
-        return self._st.buffer
+        return self.storage.buffer
 
     @property
     def name(self) -> str:
-        return self._st.name
+        return self.storage.name
 
     @property
     def ndim(self) -> int:
@@ -305,10 +303,11 @@ class NkiTensor:
 
     @property
     def onchip(self) -> bool:
-        return not is_hbm(self._st.buffer)
+        return not is_hbm(self.storage.buffer)
 
-    def _pstride(self, dtype: str | None = None) -> int:
-        return self._st.part_bytes // dt.itemsize(dtype or self.dtype)
+    def partition_stride(self, dtype: str | None = None) -> int:
+        """Elements of `dtype` (default the view's) between two partitions of an on-chip buffer."""
+        return self.storage.part_bytes // dt.itemsize(dtype or self.dtype)
 
     def __repr__(self) -> str:
         return f"NkiTensor({self.name!r}, {self.shape}, {self.dtype}, {self.buffer.value})"
@@ -317,11 +316,11 @@ class NkiTensor:
         return self.shape[0]
 
     def _new(self, shape, strides, offset, dtype=None, dyn=None) -> NkiTensor:
-        return NkiTensor(self._st, dtype or self.dtype, tuple(shape), tuple(strides), offset, dyn)
+        return NkiTensor(self.storage, dtype or self.dtype, tuple(shape), tuple(strides), offset, dyn)
 
     def _no_dyn(self, what: str) -> None:
-        if self._dyn is not None:
-            raise NkiValidationError(f"{what}: not allowed on an indirect view [NL is_indirect]")
+        if self.indirect is not None:
+            raise errors.NkiValidationError(f"{what}: not allowed on an indirect view [NL is_indirect]")
 
     # ---- index computation -----------------------------------------------------------------
     def _static_index(self, zero_dim: int | None = None) -> np.ndarray:
@@ -334,15 +333,15 @@ class NkiTensor:
             idx = idx + (np.arange(n, dtype=np.int64) * s).reshape(sh)
         return np.broadcast_to(idx, self.shape)
 
-    def _index(self) -> tuple[np.ndarray, np.ndarray | None, str | None]:
+    def element_index(self) -> tuple[np.ndarray, np.ndarray | None, str | None]:
         """Element indices of the view (storage units of ``self.dtype``), an element validity mask
         (``None`` = all valid) and a description of the first invalid index."""
-        if self._dyn is None:
+        if self.indirect is None:
             if self._idx is None:
                 self._idx = self._static_index()
             return self._idx, None, None
-        d = self._dyn
-        n_storage = self._st.size_in(self.dtype)
+        d = self.indirect
+        n_storage = self.storage.size_in(self.dtype)
         if d.kind == "scalar":
             v = scalar_value(d.source, "indirect access")
             idx = self._static_index() + v * d.mult
@@ -353,12 +352,12 @@ class NkiTensor:
                 return idx, None, None
             valid = np.zeros(self.shape, bool)
             return idx, valid, f"scalar_offset value {v} (valid range [0, {d.bound}) on dim {d.dim})"
-        vec = d.source._read_raw().reshape(-1)
+        vec = d.source.read_raw().reshape(-1)
         vals = vec.astype(np.int64) if np.issubdtype(vec.dtype, np.integer) else np.rint(vec.astype(np.float64))
         vals = vals.astype(np.int64)
         rows = self.shape[0]
         if vals.shape[0] != rows:
-            raise ShapeError(f"vector_offset has {vals.shape[0]} indices but the access has {rows} partitions")
+            raise errors.ShapeError(f"vector_offset has {vals.shape[0]} indices but the access has {rows} partitions")
         base = self._static_index(zero_dim=0)
         shp = (rows,) + (1,) * (self.ndim - 1)
         idx = base + (vals * d.mult).reshape(shp)
@@ -372,22 +371,22 @@ class NkiTensor:
         return idx, valid, msg
 
     def _check_static_bounds(self, what: str) -> None:
-        if self._dyn is not None or self.size == 0:
+        if self.indirect is not None or self.size == 0:
             return
-        if self._strided(self.offset) is None:
-            raise OutOfBoundsError(f"{what}: view {self.shape} of '{self.name}' addresses outside its buffer")
+        if self.strided_view(self.offset) is None:
+            raise errors.OutOfBoundsError(f"{what}: view {self.shape} of '{self.name}' addresses outside its buffer")
 
     # ---- raw access ------------------------------------------------------------------------
-    def _dyn_offset(self) -> tuple[int, str | None]:
+    def base_offset(self) -> tuple[int, str | None]:
         """Storage offset of a static or scalar-indirect view, and an OOB description (or None)."""
-        if self._dyn is None:
+        if self.indirect is None:
             return self.offset, None
-        d = self._dyn
+        d = self.indirect
         v = scalar_value(d.source, "indirect access")
         msg = None if 0 <= v < d.bound else f"scalar_offset value {v} (valid range [0, {d.bound}) on dim {d.dim})"
         return self.offset + v * d.mult, msg
 
-    def _strided(self, offset: int) -> np.ndarray | None:
+    def strided_view(self, offset: int) -> np.ndarray | None:
         """A NumPy view of the elements (no copy), or None if it would leave the buffer."""
         isz = dt.itemsize(self.dtype)
         lo = hi = offset
@@ -396,38 +395,40 @@ class NkiTensor:
                 hi += (n - 1) * s
             else:
                 lo += (n - 1) * s
-        if lo < 0 or (hi + 1) * isz > self._st.nbytes:
+        if lo < 0 or (hi + 1) * isz > self.storage.nbytes:
             return None
         return np.ndarray(
-            self.shape, dt.np_dtype(self.dtype), self._st.raw, offset * isz, tuple(s * isz for s in self.strides)
+            self.shape, dt.np_dtype(self.dtype), self.storage.raw, offset * isz, tuple(s * isz for s in self.strides)
         )
 
     def _np(self, what: str) -> np.ndarray:
-        """Writable NumPy view of a non-vector-indirect view; raises OutOfBoundsError when outside."""
-        off, msg = self._dyn_offset()
-        view = None if msg else self._strided(off)
+        """Writable NumPy view of a non-vector-indirect view; raises errors.OutOfBoundsError when outside."""
+        off, msg = self.base_offset()
+        view = None if msg else self.strided_view(off)
         if view is None:
-            raise OutOfBoundsError(f"{what}: out-of-bounds {msg or 'access'} on '{self.name}' {self.shape}")
+            raise errors.OutOfBoundsError(f"{what}: out-of-bounds {msg or 'access'} on '{self.name}' {self.shape}")
         return view
 
-    def _read_raw(self, what: str = "read") -> np.ndarray:
-        if self._dyn is None or self._dyn.kind == "scalar":
+    def read_raw(self, what: str = "read") -> np.ndarray:
+        """The view's stored values in its dtype (no cast), shaped like the view; out of bounds raises."""
+        if self.indirect is None or self.indirect.kind == "scalar":
             return self._np(what)
-        idx, valid, msg = self._index()
+        idx, valid, msg = self.element_index()
         if valid is not None:
-            raise OutOfBoundsError(f"{what}: out-of-bounds {msg} on '{self.name}'")
-        return self._st.typed(self.dtype)[idx]
+            raise errors.OutOfBoundsError(f"{what}: out-of-bounds {msg} on '{self.name}'")
+        return self.storage.typed(self.dtype)[idx]
 
-    def _write_raw(self, values: np.ndarray, what: str = "write") -> None:
-        if self._dyn is None or self._dyn.kind == "scalar":
+    def write_raw(self, values: np.ndarray, what: str = "write") -> None:
+        """Store values already in the view's dtype (no cast) and mark an HBM buffer written."""
+        if self.indirect is None or self.indirect.kind == "scalar":
             self._np(what)[...] = np.asarray(values).reshape(self.shape)
         else:
-            idx, valid, msg = self._index()
+            idx, valid, msg = self.element_index()
             if valid is not None:
-                raise OutOfBoundsError(f"{what}: out-of-bounds {msg} on '{self.name}'")
-            self._st.typed(self.dtype)[idx] = np.asarray(values).reshape(self.shape)
+                raise errors.OutOfBoundsError(f"{what}: out-of-bounds {msg} on '{self.name}'")
+            self.storage.typed(self.dtype)[idx] = np.asarray(values).reshape(self.shape)
         if not self.onchip:
-            self._st.written = True
+            self.storage.written = True
 
     # ---- views -----------------------------------------------------------------------------
     def __getitem__(self, key: Any) -> NkiTensor:
@@ -449,13 +450,15 @@ class NkiTensor:
             if isinstance(kk, DynSlice):
                 kk = slice(kk.start, kk.start + kk.size)
                 if kk.stop > n or kk.start < 0:
-                    raise OutOfBoundsError(f"nl.ds({kk.start}, {kk.stop - kk.start}) out of range for dim {k} size {n}")
+                    raise errors.OutOfBoundsError(
+                        f"nl.ds({kk.start}, {kk.stop - kk.start}) out of range for dim {k} size {n}"
+                    )
             if isinstance(kk, slice):
                 start, stop, step = kk.indices(n)
                 if step < 1:
                     raise IndexError("slice step must be >= 1")
                 if kk.stop is not None and not (-n <= kk.stop <= n):
-                    raise OutOfBoundsError(f"slice stop {kk.stop} out of range for dim {k} of size {n}")
+                    raise errors.OutOfBoundsError(f"slice stop {kk.stop} out of range for dim {k} of size {n}")
                 cnt = max(0, -(-(stop - start) // step))
                 shape.append(cnt)
                 strides.append(s * step)
@@ -463,7 +466,7 @@ class NkiTensor:
             elif isinstance(kk, (int, np.integer)):
                 kk = int(kk)
                 if not -n <= kk < n:
-                    raise OutOfBoundsError(f"index {kk} out of range for dim {k} of size {n}")
+                    raise errors.OutOfBoundsError(f"index {kk} out of range for dim {k} of size {n}")
                 kk %= n
                 offset += kk * s
                 if k == 0 and self.onchip:
@@ -480,11 +483,13 @@ class NkiTensor:
         return self._new(shape, strides, offset)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        raise NkiValidationError("NkiTensor.__setitem__ is undocumented in NKI 0.6; use an explicit dst= instruction")
+        raise errors.NkiValidationError(
+            "NkiTensor.__setitem__ is undocumented in NKI 0.6; use an explicit dst= instruction"
+        )
 
     def slice(self, dim: int, start: int, end: int, step: int = 1) -> NkiTensor:
         if not (0 <= start < end <= self.shape[dim]) or step < 1:
-            raise OutOfBoundsError(f"slice({dim}, {start}, {end}, {step}) invalid for shape {self.shape}")
+            raise errors.OutOfBoundsError(f"slice({dim}, {start}, {end}, {step}) invalid for shape {self.shape}")
         key = [slice(None)] * self.ndim
         key[dim] = slice(start, end, step)
         return self[tuple(key)]
@@ -493,30 +498,30 @@ class NkiTensor:
         if isinstance(index, (int, np.integer)):
             self._no_dyn("select")
             if not 0 <= index < self.shape[dim]:
-                raise OutOfBoundsError(f"select({dim}, {index}) out of range for shape {self.shape}")
+                raise errors.OutOfBoundsError(f"select({dim}, {index}) out of range for shape {self.shape}")
             shape = self.shape[:dim] + self.shape[dim + 1 :]
             strides = self.strides[:dim] + self.strides[dim + 1 :]
             off = self.offset + int(index) * self.strides[dim]
             if self.onchip and dim == 0:
-                raise NkiValidationError("select on the partition dim of an on-chip tensor; slice it instead")
+                raise errors.NkiValidationError("select on the partition dim of an on-chip tensor; slice it instead")
             return self._new(shape, strides, off)
         self._no_dyn("select")
         if self.onchip and dim == 0:
-            raise NkiValidationError("dynamic select on the partition dim of an on-chip tensor [NL select]")
+            raise errors.NkiValidationError("dynamic select on the partition dim of an on-chip tensor [NL select]")
         shape = self.shape[:dim] + self.shape[dim + 1 :]
         strides = self.strides[:dim] + self.strides[dim + 1 :]
-        dyn = _Dyn("scalar", index, dim, self.strides[dim], self.shape[dim])
+        dyn = Indirect("scalar", index, dim, self.strides[dim], self.shape[dim])
         return self._new(shape, strides, self.offset, dyn=dyn)
 
     def vector_select(self, dim: int, vector_offset: NkiTensor) -> NkiTensor:
         self._no_dyn("vector_select")
         if dim != 0:
-            raise NkiValidationError("vector_select: dim must be 0 [NL vector_select]")
+            raise errors.NkiValidationError("vector_select: dim must be 0 [NL vector_select]")
         if self.onchip:
-            raise NkiValidationError("vector_select: only HBM tensors can be indexed per partition [NL, APS]")
+            raise errors.NkiValidationError("vector_select: only HBM tensors can be indexed per partition [NL, APS]")
         _check_index_tensor(vector_offset, "vector_select")
         p = vector_offset.shape[0]
-        dyn = _Dyn("vector", vector_offset, 0, self.strides[0], self.shape[0])
+        dyn = Indirect("vector", vector_offset, 0, self.strides[0], self.shape[0])
         return self._new((p,) + self.shape[1:], (0,) + self.strides[1:], self.offset, dyn=dyn)
 
     def ap(
@@ -546,49 +551,53 @@ class NkiTensor:
         ratio_num, ratio_den = dt.itemsize(self.dtype), dt.itemsize(new_dtype)
         base_bytes = self.offset * ratio_num + (0 if offset is None else int(offset) * ratio_den)
         if base_bytes % ratio_den:
-            raise ShapeError(f"ap: offset not aligned to {new_dtype}")
+            raise errors.ShapeError(f"ap: offset not aligned to {new_dtype}")
         base = base_bytes // ratio_den
         if not pattern or any(len(p) != 2 for p in pattern):
-            raise ShapeError(f"ap: pattern must be a list of [stride, count] pairs, got {pattern!r}")
+            raise errors.ShapeError(f"ap: pattern must be a list of [stride, count] pairs, got {pattern!r}")
         strides = tuple(int(p[0]) for p in pattern)
         shape = tuple(int(p[1]) for p in pattern)
         if any(c < 1 for c in shape):
-            raise ShapeError(f"ap: counts must be >= 1, got {pattern!r}")
+            raise errors.ShapeError(f"ap: counts must be >= 1, got {pattern!r}")
         if self.onchip:
-            ps = self._pstride(new_dtype)
+            ps = self.partition_stride(new_dtype)
             if shape[0] > 1 and strides[0] != ps:
-                raise NkiValidationError(
+                raise errors.NkiValidationError(
                     f"ap on on-chip tensor '{self.name}': the first pattern pair is the partition access; its stride "
                     f"must be the per-partition element count {ps}, got {strides[0]} [APS]"
                 )
             if shape[0] > PMAX:
-                raise PartitionLimitError(f"ap: partition count {shape[0]} exceeds {PMAX}")
+                raise errors.PartitionLimitError(f"ap: partition count {shape[0]} exceeds {PMAX}")
         if scalar_offset is not None and vector_offset is not None:
-            raise NkiValidationError("ap: scalar_offset and vector_offset are mutually exclusive [APS]")
+            raise errors.NkiValidationError("ap: scalar_offset and vector_offset are mutually exclusive [APS]")
         scale = ratio_num / ratio_den
         dyn = None
         if scalar_offset is not None:
             if not 0 <= indirect_dim < self.ndim:
-                raise NkiValidationError(f"ap: indirect_dim {indirect_dim} out of range for shape {self.shape}")
+                raise errors.NkiValidationError(f"ap: indirect_dim {indirect_dim} out of range for shape {self.shape}")
             if isinstance(scalar_offset, NkiTensor):
                 if scalar_offset.buffer is not MemoryRegion.sbuf or scalar_offset.size != 1:
-                    raise NkiValidationError("ap: scalar_offset tensor must be a (1,1) SBUF tensor [APS]")
+                    raise errors.NkiValidationError("ap: scalar_offset tensor must be a (1,1) SBUF tensor [APS]")
             elif not isinstance(scalar_offset, VirtualRegister):
-                raise NkiValidationError("ap: scalar_offset must be a VirtualRegister or a (1,1) SBUF tensor [APS]")
+                raise errors.NkiValidationError(
+                    "ap: scalar_offset must be a VirtualRegister or a (1,1) SBUF tensor [APS]"
+                )
             mult = int(math.prod(self.shape[indirect_dim + 1 :]) * scale)
-            dyn = _Dyn("scalar", scalar_offset, indirect_dim, mult, self.shape[indirect_dim])
+            dyn = Indirect("scalar", scalar_offset, indirect_dim, mult, self.shape[indirect_dim])
         elif vector_offset is not None:
             if indirect_dim != 0:
-                raise NkiValidationError("ap: vector_offset supports only indirect_dim=0 [APS]")
+                raise errors.NkiValidationError("ap: vector_offset supports only indirect_dim=0 [APS]")
             if self.onchip:
-                raise NkiValidationError("ap: the tensor indexed with vector_offset must be in HBM [ISA dma_copy]")
+                raise errors.NkiValidationError(
+                    "ap: the tensor indexed with vector_offset must be in HBM [ISA dma_copy]"
+                )
             _check_index_tensor(vector_offset, "ap")
             if vector_offset.shape[0] != shape[0]:
-                raise ShapeError(
+                raise errors.ShapeError(
                     f"ap: vector_offset has {vector_offset.shape[0]} indices but the pattern has {shape[0]} rows"
                 )
             mult = int(math.prod(self.shape[1:]) * scale)
-            dyn = _Dyn("vector", vector_offset, 0, mult, self.shape[0])
+            dyn = Indirect("vector", vector_offset, 0, mult, self.shape[0])
             strides = (0,) + strides[1:]
         out = self._new(shape, strides, base, dtype=new_dtype, dyn=dyn)
         out._check_static_bounds("ap")
@@ -598,7 +607,7 @@ class NkiTensor:
         return [[s, n] for s, n in zip(self.strides, self.shape)]
 
     def is_indirect(self) -> bool:
-        return self._dyn is not None
+        return self.indirect is not None
 
     def is_contiguous(self) -> bool:
         expect = 1
@@ -611,35 +620,35 @@ class NkiTensor:
     def permute(self, dims: tuple[int, ...]) -> NkiTensor:
         self._no_dyn("permute")
         if sorted(dims) != list(range(self.ndim)):
-            raise ShapeError(f"permute: {dims} is not a permutation of {self.ndim} dims")
+            raise errors.ShapeError(f"permute: {dims} is not a permutation of {self.ndim} dims")
         if self.onchip and dims[0] != 0:
-            raise NkiValidationError("permute: the partition dim must stay first on on-chip tensors [NL]")
+            raise errors.NkiValidationError("permute: the partition dim must stay first on on-chip tensors [NL]")
         return self._new([self.shape[d] for d in dims], [self.strides[d] for d in dims], self.offset)
 
     def broadcast(self, dim: int, size: int) -> NkiTensor:
         if self.shape[dim] != 1:
-            raise ShapeError(f"broadcast: dim {dim} has size {self.shape[dim]}, must be 1")
+            raise errors.ShapeError(f"broadcast: dim {dim} has size {self.shape[dim]}, must be 1")
         if self.onchip and dim == 0:
-            raise NkiValidationError("broadcast: cannot broadcast the partition dim of an on-chip tensor [NL]")
+            raise errors.NkiValidationError("broadcast: cannot broadcast the partition dim of an on-chip tensor [NL]")
         shape = list(self.shape)
         strides = list(self.strides)
         shape[dim], strides[dim] = int(size), 0
-        return self._new(shape, strides, self.offset, dyn=self._dyn)
+        return self._new(shape, strides, self.offset, dyn=self.indirect)
 
     def expand_dim(self, dim: int) -> NkiTensor:
         if self.onchip and dim == 0:
-            raise NkiValidationError("expand_dim: cannot insert before the partition dim [NL]")
+            raise errors.NkiValidationError("expand_dim: cannot insert before the partition dim [NL]")
         shape = list(self.shape)
         strides = list(self.strides)
         shape.insert(dim, 1)
         strides.insert(dim, 0)
-        return self._new(shape, strides, self.offset, dyn=self._dyn)
+        return self._new(shape, strides, self.offset, dyn=self.indirect)
 
     def squeeze_dim(self, dim: int) -> NkiTensor:
         if self.shape[dim] != 1:
-            raise ShapeError(f"squeeze_dim: dim {dim} has size {self.shape[dim]}")
+            raise errors.ShapeError(f"squeeze_dim: dim {dim} has size {self.shape[dim]}")
         if self.onchip and dim == 0:
-            raise NkiValidationError("squeeze_dim: cannot remove the partition dim [NL]")
+            raise errors.NkiValidationError("squeeze_dim: cannot remove the partition dim [NL]")
         return self._new(
             self.shape[:dim] + self.shape[dim + 1 :], self.strides[:dim] + self.strides[dim + 1 :], self.offset
         )
@@ -652,9 +661,9 @@ class NkiTensor:
             rest = math.prod([s for s in shape if s != -1])
             shape[shape.index(-1)] = n // rest
         if math.prod(shape) != n:
-            raise ShapeError(f"reshape_dim: {tuple(shape)} does not multiply to {n}")
+            raise errors.ShapeError(f"reshape_dim: {tuple(shape)} does not multiply to {n}")
         if self.onchip and dim == 0 and len(shape) != 1:
-            raise NkiValidationError("reshape_dim: cannot split the partition dim [NL]")
+            raise errors.NkiValidationError("reshape_dim: cannot split the partition dim [NL]")
         s = self.strides[dim]
         sub = []
         acc = s
@@ -670,10 +679,10 @@ class NkiTensor:
     def flatten_dims(self, start_dim: int, end_dim: int) -> NkiTensor:
         self._no_dyn("flatten_dims")
         if self.onchip and start_dim == 0:
-            raise NkiValidationError("flatten_dims: cannot merge the partition dim [NL]")
+            raise errors.NkiValidationError("flatten_dims: cannot merge the partition dim [NL]")
         for k in range(start_dim, end_dim):
             if self.shape[k] != 1 and self.strides[k] != self.strides[k + 1] * self.shape[k + 1]:
-                raise ShapeError(f"flatten_dims: dims {start_dim}..{end_dim} are not contiguous")
+                raise errors.ShapeError(f"flatten_dims: dims {start_dim}..{end_dim} are not contiguous")
         n = math.prod(self.shape[start_dim : end_dim + 1])
         return self._new(
             self.shape[:start_dim] + (n,) + self.shape[end_dim + 1 :],
@@ -688,12 +697,14 @@ class NkiTensor:
             rest = math.prod([s for s in shape if s != -1])
             shape[shape.index(-1)] = self.size // rest
         if math.prod(shape) != self.size:
-            raise ShapeError(f"reshape: {tuple(shape)} has a different element count than {self.shape}")
+            raise errors.ShapeError(f"reshape: {tuple(shape)} has a different element count than {self.shape}")
         if self.onchip:
             if shape[0] != self.shape[0]:
-                raise NkiValidationError(f"reshape: on-chip tensors keep the partition dim ({self.shape[0]}) [NL]")
+                raise errors.NkiValidationError(
+                    f"reshape: on-chip tensors keep the partition dim ({self.shape[0]}) [NL]"
+                )
             if not self.is_contiguous():
-                raise ShapeError(f"reshape: view {self.shape} with strides {self.strides} is not contiguous")
+                raise errors.ShapeError(f"reshape: view {self.shape} with strides {self.strides} is not contiguous")
             strides = [self.strides[0]]
             acc = 1
             free = []
@@ -702,7 +713,7 @@ class NkiTensor:
                 acc *= k
             return self._new(shape, strides + free, self.offset)
         if not self.is_contiguous():
-            raise ShapeError(f"reshape: view {self.shape} with strides {self.strides} is not contiguous")
+            raise errors.ShapeError(f"reshape: view {self.shape} with strides {self.strides} is not contiguous")
         strides = []
         acc = 1
         for k in reversed(shape):
@@ -717,17 +728,17 @@ class NkiTensor:
         if a == b:
             return self._new(self.shape, self.strides, self.offset, dtype=dtype)
         if self.shape[-1] != 1 and self.strides[-1] != 1:
-            raise ShapeError("view: the last dimension must be contiguous [NL view]")
+            raise errors.ShapeError("view: the last dimension must be contiguous [NL view]")
         last = self.shape[-1] * a
         if last % b:
-            raise ShapeError(f"view: last dim of {self.shape[-1]} x {a} bytes is not divisible into {dtype}")
+            raise errors.ShapeError(f"view: last dim of {self.shape[-1]} x {a} bytes is not divisible into {dtype}")
         strides = []
         for s in self.strides[:-1]:
             if (s * a) % b:
-                raise ShapeError(f"view: stride {s} not representable in {dtype}")
+                raise errors.ShapeError(f"view: stride {s} not representable in {dtype}")
             strides.append(s * a // b)
         if (self.offset * a) % b:
-            raise ShapeError(f"view: offset not aligned to {dtype}")
+            raise errors.ShapeError(f"view: offset not aligned to {dtype}")
         return self._new(self.shape[:-1] + (last // b,), strides + [1], self.offset * a // b, dtype=dtype)
 
     reinterpret_cast = view
@@ -735,11 +746,11 @@ class NkiTensor:
 
 def _check_index_tensor(t: Any, what: str) -> None:
     if not isinstance(t, NkiTensor) or t.buffer is not MemoryRegion.sbuf:
-        raise NkiValidationError(f"{what}: vector_offset must be an SBUF tensor of shape (P, 1) [APS]")
+        raise errors.NkiValidationError(f"{what}: vector_offset must be an SBUF tensor of shape (P, 1) [APS]")
     if t.ndim != 2 or t.shape[1] != 1:
-        raise ShapeError(f"{what}: vector_offset must have shape (P, 1), got {t.shape}")
+        raise errors.ShapeError(f"{what}: vector_offset must have shape (P, 1), got {t.shape}")
     if not dt.is_int(t.dtype):
-        raise NkiValidationError(f"{what}: vector_offset dtype must be an integer type, got {t.dtype}")
+        raise errors.NkiValidationError(f"{what}: vector_offset dtype must be an integer type, got {t.dtype}")
 
 
 def allocate(shape: Any, dtype: Any, buffer: Any, name: str = "", fill: float | None = None) -> NkiTensor:
@@ -748,11 +759,11 @@ def allocate(shape: Any, dtype: Any, buffer: Any, name: str = "", fill: float | 
         shape = (int(shape),)
     shape = tuple(int(s) for s in shape)
     if not shape or any(s < 1 for s in shape):
-        raise ShapeError(f"nl.ndarray: shape must be non-empty with positive sizes, got {shape}")
+        raise errors.ShapeError(f"nl.ndarray: shape must be non-empty with positive sizes, got {shape}")
     dtype = dt.normalize(dtype)
     region = _region(buffer)
     if not is_hbm(region) and shape[0] > PMAX:
-        raise PartitionLimitError(
+        raise errors.PartitionLimitError(
             f"nl.ndarray: {region.value} tensor '{name}' has partition dim {shape[0]} > {PMAX} [TILING]"
         )
     st = Storage(shape, dtype, region, name or f"{region.value}_tensor")
@@ -785,7 +796,7 @@ def from_numpy(arr: np.ndarray, buffer: MemoryRegion = MemoryRegion.shared_hbm, 
 
 def to_numpy(t: NkiTensor) -> np.ndarray:
     """Copy of a tensor's values (a view's elements in row-major order, shape = view shape)."""
-    return np.array(t._read_raw("to_numpy"))
+    return np.array(t.read_raw("to_numpy"))
 
 
 def warn(msg: str) -> None:

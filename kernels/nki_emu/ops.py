@@ -1,8 +1,7 @@
 """ALU operators and activation functions shared by ``nki.language`` and ``nki.isa``.
 
-The identifiers are the ``nl.*`` functions themselves (``nl.add`` is both the ALU op passed to
-``nisa.tensor_tensor(op=nl.add)`` and the convenience wrapper ``nl.add(x, y)`` [NL, SHARED]); each
-carries an ``_nki_op`` name that the ISA layer looks up here.
+The identifiers are ``nl.*`` objects (``nisa.tensor_tensor(op=nl.add)`` [NL, SHARED]); each carries an
+``nki_op`` name that the ISA layer looks up here.
 
 Arithmetic ALU ops take fp32 operands and return fp32 (comparisons and logical ops return 1.0 / 0.0,
 our reading of [SHARED]; UNCONFIRMED). Bitvec ops work on raw integers; ``right_shift`` is logical
@@ -175,7 +174,7 @@ def activation_fn(name: str) -> Callable[[np.ndarray], np.ndarray]:
 
 
 def op_name(op: object, what: str) -> str:
-    name = getattr(op, "_nki_op", None)
+    name = getattr(op, "nki_op", None)
     if name is None:
         if isinstance(op, str):
             return op

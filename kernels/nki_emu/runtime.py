@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes as dt
-from .errors import NkiValidationError
+from . import errors
 from .memory import Counters, KernelContext, MemoryRegion, NkiTensor, from_numpy, set_context, to_numpy
 
 try:  # torch is optional for the emulator itself
@@ -62,18 +62,18 @@ def _find_blas_threads() -> tuple[Callable[[], int], Callable[[int], None]] | No
     return None
 
 
-_BLAS = _find_blas_threads()
+BLAS_THREADS = _find_blas_threads()
 
 
 class _SingleThreadBlas:
     def __enter__(self) -> None:
-        self.prev = _BLAS[0]() if _BLAS else None
-        if _BLAS and self.prev != 1:
-            _BLAS[1](1)
+        self.prev = BLAS_THREADS[0]() if BLAS_THREADS else None
+        if BLAS_THREADS and self.prev != 1:
+            BLAS_THREADS[1](1)
 
     def __exit__(self, *exc: object) -> None:
-        if _BLAS and self.prev is not None and self.prev != 1:
-            _BLAS[1](self.prev)
+        if BLAS_THREADS and self.prev is not None and self.prev != 1:
+            BLAS_THREADS[1](self.prev)
 
 
 def last_counters() -> Counters:
@@ -96,7 +96,7 @@ def _torch_to_numpy(t: Any) -> np.ndarray:
     if t.dtype == torch.float8_e5m2:
         return t.view(torch.uint8).numpy().view(dt.np_dtype(dt.float8_e5m2))
     if t.dtype in (torch.int64, torch.float64):
-        raise NkiValidationError(f"simulate: {t.dtype} tensors have no NKI dtype; pass int32 / float32")
+        raise errors.NkiValidationError(f"simulate: {t.dtype} tensors have no NKI dtype; pass int32 / float32")
     if t.dtype == torch.bool:
         return t.numpy().astype(np.uint8)
     return t.numpy()
@@ -146,7 +146,7 @@ def _convert_in(x: Any, bound: list[_Arg], buffer: MemoryRegion, name: str) -> A
 
 
 def _write_back(a: _Arg) -> None:
-    st = a.tensor._st
+    st = a.tensor.storage
     vals = st.typed(st.dtype).reshape(st.shape)
     if a.is_torch:
         src = _numpy_to_torch(vals)
@@ -161,10 +161,10 @@ def _write_back(a: _Arg) -> None:
 def _convert_out(r: Any, bound: list[_Arg], as_torch: bool) -> Any:
     if isinstance(r, NkiTensor):
         for a in bound:
-            if a.tensor._st is r._st and r.shape == a.tensor.shape and r.offset == 0:
+            if a.tensor.storage is r.storage and r.shape == a.tensor.shape and r.offset == 0:
                 return a.original
         if r.buffer is not MemoryRegion.shared_hbm:
-            raise NkiValidationError(
+            raise errors.NkiValidationError(
                 f"kernel returned '{r.name}' in {r.buffer.value}; returned tensors must be nl.shared_hbm [MIG]"
             )
         vals = to_numpy(r)
@@ -179,7 +179,7 @@ def _convert_out(r: Any, bound: list[_Arg], as_torch: bool) -> Any:
 def _run_kernel(fn: Callable, lnc: int, args: tuple, kwargs: dict) -> Any:
     global _last
     if lnc != 1:
-        raise NkiValidationError("the emulator runs LNC=1 kernels only (kernel[1] or no brackets)")
+        raise errors.NkiValidationError("the emulator runs LNC=1 kernels only (kernel[1] or no brackets)")
     bound: list[_Arg] = []
     hargs = tuple(_convert_in(a, bound, MemoryRegion.private_hbm, f"arg{i}") for i, a in enumerate(args))
     hkwargs = {k: _convert_in(v, bound, MemoryRegion.private_hbm, k) for k, v in kwargs.items()}
@@ -194,7 +194,7 @@ def _run_kernel(fn: Callable, lnc: int, args: tuple, kwargs: dict) -> Any:
         set_context(prev)
         _last = kctx.counters
     for a in bound:
-        if a.tensor._st.written:
+        if a.tensor.storage.written:
             _write_back(a)
     return _convert_out(result, bound, as_torch)
 
@@ -211,7 +211,7 @@ class Kernel:
 
     def __getitem__(self, lnc: int) -> Kernel:
         if not isinstance(lnc, int):
-            raise NkiValidationError("kernel[lnc]: exactly one integer LNC degree [LNC]")
+            raise errors.NkiValidationError("kernel[lnc]: exactly one integer LNC degree [LNC]")
         return Kernel(self.fn, lnc, **self.options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -3,7 +3,7 @@
 - `make_random_afmoe` writes a random float32 `AfmoeForCausalLM` with Trinity-Mini's real attention geometry
   (head_dim 128, 32 query heads, 4 KV heads, [sliding x3, full] layers, RoPE on sliding layers only, muP, sandwich
   norms, q/k RMSNorm, gated attention output) and a scaled-down MLP/MoE, plus the project's byte tokenizer.
-- `convert_to_mla` turns such a checkpoint into the MLA-Trinity format of spec §3 (models.md) by an SVD of
+- `convert_to_mla` turns such a checkpoint into the MLA-Trinity format of docs/models.md §3 by an SVD of
   `[k_proj; v_proj]` on the full-attention layers.
 - `hf_greedy` runs transformers' `AfmoeForCausalLM` greedily; it is the reference for both formats (an MLA
   checkpoint is loaded with `k_proj`/`v_proj` rebuilt as `kv_b_proj @ kv_a_proj`, which is exactly what MLA
@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tests.helpers import read_safetensors_dir
 
 AFMOE_SMALL: dict[str, Any] = dict(
     vocab_size=259,  # the byte tokenizer: 256 bytes + 3 special tokens
@@ -142,20 +144,8 @@ def make_random_afmoe(out_dir: str | Path, seed: int = 0, *, full_kv_rank: int |
     return out
 
 
-def _load_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    return tensors
-
-
 def convert_to_mla(src_dir: str | Path, dst_dir: str | Path, kv_lora_rank: int | None = None) -> Path:
-    """Convert an AFMoE checkpoint to MLA-Trinity (spec §3) by an SVD of `[k_proj; v_proj]` on full layers.
+    """Convert an AFMoE checkpoint to MLA-Trinity (docs/models.md §3) by an SVD of `[k_proj; v_proj]` on full layers.
 
     W = [k_proj; v_proj] = U S Vh (float64); kv_b_proj = U[:, :r] * S[:r], kv_a_proj = Vh[:r]. The default
     r = min(2 * num_key_value_heads * head_dim, hidden_size) is W's largest possible rank, so the conversion
@@ -174,7 +164,7 @@ def convert_to_mla(src_dir: str | Path, dst_dir: str | Path, kv_lora_rank: int |
     if not 0 < r <= max_rank:
         raise ValueError(f"kv_lora_rank={r} must be in [1, {max_rank}] (= min(2 * Hkv * head_dim, hidden))")
 
-    tensors = _load_tensors(src)
+    tensors = read_safetensors_dir(src)
     out: dict[str, torch.Tensor] = {}
     full = {i for i, kind in enumerate(cfg["layer_types"]) if kind == "full_attention"}
     for i in full:
@@ -225,7 +215,7 @@ def load_hf_model(model_dir: str | Path) -> Any:
         model = AfmoeForCausalLM.from_pretrained(key, dtype=torch.float32, attn_implementation="eager")
     else:
         kv = cfg["num_key_value_heads"] * (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-        tensors = _load_tensors(Path(key))
+        tensors = read_safetensors_dir(Path(key))
         for i, kind in enumerate(cfg["layer_types"]):
             if kind != "full_attention":
                 continue
@@ -243,6 +233,14 @@ def load_hf_model(model_dir: str | Path) -> Any:
     model.eval()
     _MODELS[key] = model
     return model
+
+
+@torch.no_grad()
+def teacher_forced_logits(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The logits [len(tokens), vocab] (float64) from which a model fed `prompt` then `tokens` (teacher forcing)
+    predicts each of `tokens`."""
+    ids = torch.tensor([prompt + tokens[:-1]])
+    return model(input_ids=ids).logits[0, len(prompt) - 1 :].double()
 
 
 @torch.no_grad()
@@ -288,18 +286,18 @@ def hf_greedy(model_dir: str | Path | torch.nn.Module, prompt_ids: list[int], ma
 
 def check_against_hf_greedy(out: Any, ref: dict[str, Any], what: str, logit_tol: float, worst: list[float]) -> None:
     """A vLLM RequestOutput (raw-logits mode, logprobs = the whole vocabulary) against `hf_greedy`'s `ref`: tokens
-    equal (a divergence only after a near-tie, margin < TIE_MARGIN), every step's logits within `logit_tol` up to
+    equal (a divergence only after a near-tie: bench.ties), every step's logits within `logit_tol` up to
     and including the divergence; the largest difference seen is kept in worst[0]."""
-    from tests.references.laplace import TIE_MARGIN, first_divergence
+    from vllm_trn_plugin.bench.ties import compare_greedy
 
     c = out.outputs[0]
     toks, steps, vocab = list(c.token_ids), len(ref["tokens"]), ref["step_logits"].shape[1]
     assert len(toks) == steps and len(c.logprobs) == steps, f"{what}: {len(toks)} tokens, expected {steps}"
-    d = first_divergence(toks, ref["tokens"])
-    if d is not None:
-        assert ref["margins"][d] < TIE_MARGIN, (
-            f"{what}: step {d} gives {toks[d]}, transformers {ref['tokens'][d]} (margin {ref['margins'][d]:.2e})"
-        )
+    agree = compare_greedy(toks, ref["tokens"], ref["margins"])
+    d = agree.step
+    assert agree.ok, (
+        f"{what}: step {d} gives {toks[d]}, transformers {ref['tokens'][d]} (margin {ref['margins'][d]:.2e})"
+    )
     for step in range(steps if d is None else d + 1):
         got = torch.tensor([c.logprobs[step][i].logprob for i in range(vocab)], dtype=torch.float64)
         diff = (got - ref["step_logits"][step].double()).abs().max().item()

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from tests.references.packed import fp8_matmul, load_packed
+from vllm_trn_plugin.bench.ties import compare_greedy
 
 
 @dataclass
@@ -111,23 +112,12 @@ class LaplaceReference:
         return out
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-TIE_MARGIN = 1e-3  # nats: a top-2 margin under this is a tie, either token is right
-
-
 def assert_same_greedy(got: list[int], ref: Greedy, what: str) -> None:
-    """Token-for-token equality, except that after a near-tie (margin < TIE_MARGIN) the paths may
-    legitimately part; the steps before that must match exactly."""
-    d = first_divergence(got, ref.tokens)
-    if d is None:
-        return
-    assert d < len(ref.margins) and ref.margins[d] < TIE_MARGIN, (
+    """Token-for-token equality, except that after a near-tie the paths may legitimately part (the tie rule,
+    `vllm_trn_plugin.bench.ties`); the steps before that must match exactly."""
+    agree = compare_greedy(got, ref.tokens, ref.margins)
+    d = agree.step
+    assert agree.ok, (
         f"{what}: diverges at step {d} (got {got[d : d + 4]}, want {ref.tokens[d : d + 4]}); "
         f"reference top-2 margin there {ref.margins[d] if d < len(ref.margins) else math.nan:.2e} nats is no tie"
     )

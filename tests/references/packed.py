@@ -1,31 +1,33 @@
-"""An independent float64 reading of packed checkpoints and the FP8 math the served models must compute.
+"""Independent readings of packed checkpoints and the FP8 math the served models must compute.
 
-Written from the format and kernel descriptions (docs/packed-format.md, ../shared/notes/mxfp4-fp8.md),
+`load_packed` is written from the format and kernel descriptions (docs/packed-format.md, docs/kernels.md),
 not from the plugin's loader: MXFP4 codes are decoded by table lookup and powers of two in float64
 (element 2j in the low nibble of byte j, sign bit 3, E8M0 scale 2^(e - 127) per 32 elements), the FP8
 LM head is its float8 values times its row scale, and every quantized matrix multiplies an activation
 rounded per token to Trainium2 FP8 (`ml_dtypes.float8_e4m3`, scale amax / 240), plus its bias.
+`ct_decompress` reads the same files with compressed-tensors' own matching and decompressors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 import torch
-from safetensors.torch import load_file
+
+from tests.helpers import read_safetensors_dir
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 
 
 def load_packed(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], set[str]]:
     """Every tensor of the checkpoint in float64 under its unpacked name, and the names of the FP8 modules."""
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(ckpt).glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
+    tensors = read_safetensors_dir(Path(ckpt))
     out: dict[str, torch.Tensor] = {}
     fp8: set[str] = set()
     for name, t in tensors.items():
@@ -44,6 +46,34 @@ def load_packed(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], set[str]]:
         elif not name.endswith(".weight_scale"):
             out[name] = t.double()
     return out, fp8
+
+
+def ct_decompress(ckpt: str | Path) -> dict[str, torch.Tensor]:
+    """Every matrix compressed-tensors finds quantized in `ckpt` (its own target matching on config.json's
+    `quantization_config`, its own compressor for each group's format: MXFP4 codes and scales, FP8 weights and
+    their channel scales), decompressed, by module name, in float64."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.utils.match import match_quantizable_tensors
+
+    qc = QuantizationConfig.model_validate(json.loads((Path(ckpt) / "config.json").read_text())["quantization_config"])
+    tensors = read_safetensors_dir(Path(ckpt))
+    out: dict[str, torch.Tensor] = {}
+    for scheme in qc.config_groups.values():
+        compressor = BaseCompressor.get_value_from_registry(scheme.format or qc.format)
+        names = compressor.compression_param_names(scheme)
+        for module, _ in match_quantizable_tensors(tensors, qc.ignore, scheme.targets, param_targets=[names[0]]):
+            parts = {p: tensors[f"{module}.{p}"] for p in names if f"{module}.{p}" in tensors}
+            out[module] = compressor.decompress(parts, scheme)["weight"].double()
+    return out
+
+
+def expanded_values(m: Any) -> torch.Tensor:
+    """The matrix a loaded `ExpandedMatrix` holds, in float64: its FP8 values times their row scales (exact), or
+    its bf16 values."""
+    if m.row_scale is None:
+        return m.weight.double()
+    return m.weight.double() * m.row_scale.double().unsqueeze(-1)
 
 
 def fp8_activation(x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Load generator for OpenAI-compatible servers (`vllm-trn bench`): workload, client, runner, report.
 
-It needs only what vLLM itself installs (aiohttp, tqdm, Pillow), so it runs against a remote server
-from any machine with the plugin; it does not import vLLM.
+It does not import vLLM, so it runs against a remote server from any machine with the plugin and its `bench`
+extra (aiohttp, tqdm, matplotlib; the soak also psutil, requests, prometheus_client).
 """
 
 from vllm_trn_plugin.bench.cli import build_parser, main, run_bench

@@ -4,10 +4,11 @@
         --prompt-len uniform:128-512 --output-len 128 --out bench-out/run1
     vllm-trn bench --base-url http://a:8000 --compare-url http://b:8000 --request-rate 1,2,4
 
-Writes summary.json (configuration, per point and target: counts, throughputs, latency
-distributions; ratios B/A side by side), summary.csv (one row per point and target), requests.csv
-(one row per request), ratios.csv (side by side), and latency.png, e2e_latency.png, throughput.png,
-requests.png (against load).
+Writes bench.json (configuration, per point and target: counts, throughputs, latency distributions;
+ratios B/A side by side), summary.json (one `vllm bench serve` result per point and target, which
+`vllm-trn vllm bench sweep plot OUT --curve-by target --var-x max_concurrency` reads), summary.csv (one
+row per point and target), requests.csv (one row per request), ratios.csv (side by side), and
+latency.png, e2e_latency.png, throughput.png, requests.png (against load; matplotlib).
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from typing import Any
 
 from vllm_trn_plugin.bench.client import Target
 from vllm_trn_plugin.bench.report import (
+    check_plotting,
     flatten,
     format_ratios,
     format_table,
     plot_points,
     ratios,
     summarize,
+    sweep_record,
     write_csv,
     write_json,
 )
@@ -109,6 +112,8 @@ async def _resolve_models(targets: list[Target]) -> None:
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the sweep described by `args` (see build_parser), write the outputs, return the summary."""
+    if not args.no_plots:
+        check_plotting()
     labels = [x.strip() for x in args.labels.split(",")][:2]
     targets = [Target(args.base_url, args.model, args.endpoint, labels[0], args.api_key)]
     if args.compare_url:
@@ -136,6 +141,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     points: list[dict[str, Any]] = []
     ratio_rows: list[dict[str, Any]] = []
     request_rows: list[dict[str, Any]] = []
+    records: list[dict[str, Any]] = []
     for load in loads:
         t_start = time.time()
         res = asyncio.run(
@@ -155,6 +161,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         for t in targets:
             summary = summarize(res.results[t.label], res.durations[t.label])
             points.append({"load": load.label, "x": x, "kind": load.kind, "target": t.label, "summary": summary})
+            records.append(sweep_record(summary, load, t.label, t.model, len(specs)))
             request_rows += [{"load": load.label, **r.row()} for r in res.results[t.label]]
         if len(targets) == 2:
             r = ratios(points[-1]["summary"], points[-2]["summary"])
@@ -168,7 +175,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     payload: dict[str, Any] = {"config": config, "points": points}
     if ratio_rows:
         payload["ratios"] = {"of": f"{labels[1]} / {labels[0]}", "points": ratio_rows}
-    write_json(out / "summary.json", payload)
+    write_json(out / "bench.json", payload)
+    write_json(out / "summary.json", records)
     rows = [{"load": p["load"], "x": p["x"], "target": p["target"], **flatten(p["summary"])} for p in points]
     write_csv(out / "summary.csv", rows)
     write_csv(out / "requests.csv", request_rows)
@@ -179,7 +187,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     print(format_table(points))
     if ratio_rows:
         print(format_ratios(ratio_rows, labels[1], labels[0]))
-    print(f"wrote {out}/summary.json, summary.csv, requests.csv" + (", plots" if not args.no_plots else ""))
+    print(f"wrote {out}/bench.json, summary.json, summary.csv, requests.csv" + (", plots" if not args.no_plots else ""))
     return payload
 
 

@@ -1,9 +1,11 @@
-"""Local processes for benchmark scripts: a `vllm-trn serve` (or any server command) in its own process
-group, waited for on /health and always stopped with its whole group; an engine in a child process driven by
-JSON lines (`EngineChild`, `answer`); which plugin source a run used (`plugin_state`)."""
+"""Local processes for the tests, the soak and the benchmark scripts: a `vllm-trn serve` (or any server command)
+in its own process group, waited for on /health and always stopped with its whole group; an engine in a child
+process driven by JSON lines (`EngineChild`, `answer`); a benchmark's scratch directory and result file; which
+plugin source a run used (`plugin_state`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -12,9 +14,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +35,9 @@ def vllm_trn_command() -> str:
 
 
 class LocalServer:
-    """`cmd` started in a new session; `url` is ready once GET {url}{health} answers 200.
+    """`cmd` started in a new session, its output in `log`; `url` is ready once GET {url}{health} answers 200.
+    `model`: the model name it serves (from `checkpoint`, a vLLM server's); `dtype`: the dtype a vLLM server must
+    report in its log (checked once healthy).
 
     Use as a context manager, or call stop(): SIGTERM to the process group, SIGKILL after `grace` s.
     """
@@ -43,8 +49,12 @@ class LocalServer:
         log: Path,
         env: dict[str, str] | None = None,
         health: str = "/health",
+        model: str | None = None,
+        dtype: str | None = None,
+        checkpoint: Path | None = None,
     ) -> None:
         self.cmd, self.url, self.log, self.health = cmd, url, Path(log), health
+        self.model, self.dtype, self.checkpoint = model, dtype, checkpoint
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as fh:
             self.proc = subprocess.Popen(
@@ -56,13 +66,16 @@ class LocalServer:
             )
 
     def wait_healthy(self, timeout: float = 600.0) -> LocalServer:
+        """Wait for the health check; raise with the log's tail when the process exits first, when it is not
+        healthy within `timeout` s, or when it does not serve `dtype` (the process is stopped then)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.cmd[0]} exited with {self.proc.returncode}:\n{self.tail()}")
+                raise RuntimeError(f"{' '.join(self.cmd)} exited with {self.proc.returncode}:\n{self.tail()}")
             try:
                 with urllib.request.urlopen(self.url + self.health, timeout=2) as r:
                     if r.status == 200:
+                        self._check_dtype()
                         return self
             except OSError:
                 pass
@@ -70,7 +83,12 @@ class LocalServer:
         self.stop()
         raise TimeoutError(f"{self.url} not healthy after {timeout:.0f} s:\n{self.tail()}")
 
-    def tail(self, n: int = 3000) -> str:
+    def _check_dtype(self) -> None:
+        if self.dtype is not None and f"dtype=torch.{self.dtype}," not in self.log.read_text(errors="replace"):
+            self.stop()  # vLLM's engine config line names the dtype it runs in
+            raise RuntimeError(f"{' '.join(self.cmd)} does not serve in {self.dtype}: see {self.log}")
+
+    def tail(self, n: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
 
     def stop(self, grace: float = 30.0) -> None:
@@ -98,8 +116,11 @@ def serve_demo(
     port: int | None = None,
     extra: list[str] | None = None,
     env: dict[str, str] | None = None,
+    dtype: str | None = None,
 ) -> LocalServer:
-    """`vllm-trn serve CKPT` on 127.0.0.1 (eager, max-model-len 2048 unless `extra` says otherwise)."""
+    """`vllm-trn serve CKPT` on 127.0.0.1 (eager, max-model-len 2048 unless `extra` says otherwise); with
+    `dtype`, `--dtype DTYPE` (vLLM serves a float32 checkpoint in bf16 unless told) and the check that it
+    runs in it. Its model name: `--served-model-name` in `extra`, else the checkpoint path."""
     port = port or free_port()
     extra = list(extra or [])
     cmd = [vllm_trn_command(), "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port)]
@@ -109,7 +130,26 @@ def serve_demo(
         cmd += ["--enforce-eager"]
     else:
         extra.remove("--no-enforce-eager")
-    return LocalServer(cmd + extra, f"http://127.0.0.1:{port}", log, env)
+    if dtype is not None:
+        cmd += ["--dtype", dtype]
+    name = extra[extra.index("--served-model-name") + 1] if "--served-model-name" in extra else str(ckpt)
+    url = f"http://127.0.0.1:{port}"
+    return LocalServer(cmd + extra, url, log, env, model=name, dtype=dtype, checkpoint=Path(ckpt))
+
+
+def serve_new_demo(
+    model: str,
+    root: Path,
+    dtype: str,
+    extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> LocalServer:
+    """`vllm-trn demo MODEL` in `dtype` (under `root`, written once) served by `serve_demo` in that dtype,
+    its log beside it."""
+    ckpt = Path(root) / f"demo-{model}-{dtype}"
+    if not (ckpt / "config.json").exists():
+        subprocess.run([vllm_trn_command(), "demo", model, str(ckpt), "--dtype", dtype], check=True)
+    return serve_demo(ckpt, Path(root) / f"{model}-{dtype}.log", extra=extra, env=env, dtype=dtype)
 
 
 def worker_memory(model: Any) -> dict[str, int]:
@@ -135,6 +175,43 @@ def answer(obj: dict[str, Any]) -> None:
     """In an `EngineChild`'s process: send one answer to the parent."""
     sys.stdout.write(PROTO + json.dumps(obj) + "\n")
     sys.stdout.flush()
+
+
+def start_child_engine(model_dir: str, engine_kw: dict[str, Any]) -> Any:
+    """In an `EngineChild`'s process: `vllm.LLM(model_dir, **engine_kw)`, and the first answer, what the engine
+    chose (start-up seconds, cache blocks, token budgets, parallelism, compilation). Returns the LLM."""
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model_dir, **engine_kw)
+    vc = llm.llm_engine.vllm_config
+    answer(
+        {
+            "ready": True,
+            "startup_s": time.perf_counter() - t0,
+            "block_size": vc.cache_config.block_size,
+            "num_blocks": vc.cache_config.num_gpu_blocks,
+            "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
+            "max_in_flight_tokens": vc.max_in_flight_tokens,
+            "async_scheduling": bool(getattr(vc.scheduler_config, "async_scheduling", False)),
+            "tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
+            "quantization": vc.model_config.quantization,
+            "compilation_mode": getattr(vc.compilation_config.mode, "name", str(vc.compilation_config.mode)),
+            # As this process holds it after the engine's config: the plugin sets it for more workers than NUMA
+            # nodes (engine_checks.bind_cpu_workers); None means vLLM's "auto".
+            "threads_bind_env": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        }
+    )
+    return llm
+
+
+def child_commands() -> Iterator[dict[str, Any]]:
+    """In an `EngineChild`'s process: the parent's commands, one JSON line each, until {"cmd": "quit"}."""
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "quit":
+            return
+        yield cmd
 
 
 class EngineChild:
@@ -188,6 +265,12 @@ class EngineChild:
         self.send(cmd)
         return self.wait()
 
+    def __enter__(self) -> EngineChild:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -202,6 +285,27 @@ class EngineChild:
     def grep(self, pattern: str) -> list[str]:
         rx = re.compile(pattern)
         return [line for line in self.log_lines if rx.search(line)]
+
+
+@contextlib.contextmanager
+def scratch_dir(path: Path | None, prefix: str) -> Iterator[Path]:
+    """`path` (created if missing, kept), or a new temporary directory removed afterwards."""
+    if path is not None:
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        yield Path(d)
+
+
+def save_result(path: Path, result: dict[str, Any], t_start: float, logs: Path | None = None) -> None:
+    """A benchmark's results with its run time since `t_start` (perf_counter) as indented JSON (anything JSON lacks,
+    such as paths, as its str), and a line saying where they are."""
+    result["total_s"] = round(time.perf_counter() - t_start, 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    measured = f" (measurements {result['measure_s'] / 60:.1f} min)" if "measure_s" in result else ""
+    print(f"\ntotal {result['total_s'] / 60:.1f} min{measured}; JSON: {path}" + (f"; logs: {logs}" if logs else ""))
 
 
 def plugin_state(repo: Path) -> str:

@@ -1,8 +1,9 @@
 """Statistics of a load point, side-by-side ratios, and the JSON / CSV / PNG outputs.
 
-Percentiles interpolate linearly between order statistics (Hyndman-Fan type 7: numpy's and
-`vllm bench serve`'s default); std is the population std (ddof 0), as numpy's and vLLM's.
-Throughputs divide by the wall time the target was under load (first send to last completion).
+Statistics are numpy's, as in `vllm bench serve`: percentiles interpolate linearly between order statistics,
+std is the population std (ddof 0). Throughputs divide by the wall time the target was under load (first
+send to last completion). `sweep_record` writes a point in `vllm bench serve`'s result keys, so that
+`vllm bench sweep plot` reads the bench's results.
 """
 
 from __future__ import annotations
@@ -15,37 +16,26 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from vllm_trn_plugin.bench.client import RequestResult
+from vllm_trn_plugin.bench.runner import Load
 
 PERCENTILES = (50, 90, 95, 99)
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 THROUGHPUTS = ("request_throughput", "output_throughput", "total_token_throughput")
 
 
-def percentile(values: Sequence[float], p: float) -> float:
-    """The p-th percentile (0-100) with linear interpolation: rank (n-1)p/100 between order statistics."""
-    if not values:
-        return math.nan
-    if not 0 <= p <= 100:
-        raise ValueError(f"percentile {p} outside [0, 100]")
-    xs = sorted(values)
-    rank = (len(xs) - 1) * p / 100
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
-
-
 def describe(values: Sequence[float], percentiles: Iterable[float] = PERCENTILES) -> dict[str, float]:
     """n, mean, std (population), min, max and the percentiles (keys p50, p90, ...) of `values`."""
-    n = len(values)
-    if n == 0:
+    ps = list(percentiles)
+    if len(values) == 0:
         return {"n": 0, "mean": math.nan, "std": math.nan, "min": math.nan, "max": math.nan} | {
-            f"p{p:g}": math.nan for p in percentiles
+            f"p{p:g}": math.nan for p in ps
         }
-    mean = math.fsum(values) / n
-    std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / n)
-    out = {"n": n, "mean": mean, "std": std, "min": min(values), "max": max(values)}
-    return out | {f"p{p:g}": percentile(values, p) for p in percentiles}
+    a = np.asarray(values, dtype=np.float64)
+    out = {"n": len(a), "mean": float(a.mean()), "std": float(a.std()), "min": float(a.min()), "max": float(a.max())}
+    return out | {f"p{p:g}": float(q) for p, q in zip(ps, np.percentile(a, ps))}
 
 
 def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, Any]:
@@ -107,7 +97,7 @@ def _clean(x: Any) -> Any:
     return x
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> None:
+def write_json(path: Path, payload: dict[str, Any] | list[dict[str, Any]]) -> None:
     path.write_text(json.dumps(_clean(payload), indent=2) + "\n")
 
 
@@ -156,135 +146,123 @@ def format_ratios(rows: Sequence[dict[str, Any]], b: str, a: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# PNG line charts with Pillow (a vLLM dependency, so no plotting library is needed).
-
-_COLORS = [
-    (31, 119, 180),
-    (214, 39, 40),
-    (44, 160, 44),
-    (255, 127, 14),
-    (148, 103, 189),
-    (140, 86, 75),
-    (227, 119, 194),
-    (127, 127, 127),
-]
+# `vllm bench serve`'s result keys, for `vllm bench sweep plot`
 
 
-def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return [0.0, 1.0]
-    if hi <= lo:
-        hi = lo + (abs(lo) or 1.0)
-    raw = (hi - lo) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    ticks = [round(math.floor(lo / step) * step, 10)]
-    while ticks[-1] < hi:
-        ticks.append(round(ticks[-1] + step, 10))
-    return ticks
+def sweep_record(
+    summary: dict[str, Any], load: Load, target: str, model: str | None, num_prompts: int
+) -> dict[str, Any]:
+    """A `summarize` result of one target at one load point as a `vllm bench serve` result: its metric keys
+    (`median_ttft_ms`, `p99_itl_ms`, `output_throughput`, ...) and traffic keys (`request_rate`, `max_concurrency`),
+    plus the bench's own: `target`, `load` (its label) and `batch_size`."""
+    s = summary
+    value: float | int = int(load.value) if float(load.value).is_integer() else load.value
+    rec: dict[str, Any] = {
+        "backend": "openai",
+        "label": target,
+        "target": target,
+        "model_id": model,
+        "num_prompts": num_prompts,
+        "load": load.label,
+        "request_rate": value if load.kind == "rate" else math.inf,
+        "burstiness": load.burstiness,
+        "max_concurrency": value if load.kind == "concurrency" else load.max_concurrency,
+        "batch_size": value if load.kind == "batch" else None,
+        "duration": s["duration_s"],
+        "completed": s["completed"],
+        "failed": s["failed"],
+        "total_input_tokens": s["input_tokens"],
+        "total_output_tokens": s["output_tokens"],
+        "request_throughput": s["request_throughput"],
+        "output_throughput": s["output_throughput"],
+        "total_token_throughput": s["total_token_throughput"],
+        "run_number": 0,
+    }
+    for metric in LATENCIES:
+        d, name = s[metric], metric.removesuffix("_ms")
+        rec |= {f"mean_{name}_ms": d["mean"], f"median_{name}_ms": d["p50"], f"std_{name}_ms": d["std"]}
+        rec |= {f"p{p:g}_{name}_ms": d[f"p{p:g}"] for p in PERCENTILES}
+    if math.isinf(rec["request_rate"]):
+        rec["request_rate"] = "inf"  # as vLLM writes it; `sweep plot` reads it back as a float
+    return rec
 
 
-def line_chart(
-    path: Path,
-    title: str,
-    xlabel: str,
-    ylabel: str,
-    series: dict[str, list[tuple[float, float]]],
-    styles: dict[str, tuple[int, bool]] | None = None,
-    size: tuple[int, int] = (900, 540),
-) -> None:
-    """Write a PNG line chart of `series` (name -> [(x, y), ...]); NaN points are skipped. `styles`
-    gives a series its (color index, dashed); by default each series gets the next color, solid."""
-    from PIL import Image, ImageDraw, ImageFont
+# ---------------------------------------------------------------------------------------------------
+# Plots (matplotlib, the `bench` extra)
 
-    w, h = size
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
-    font, small, big = (ImageFont.load_default(size=s) for s in (15, 13, 18))
-    left, right, top, bottom = 90, 210, 50, 70
-    pts = [(x, y) for s in series.values() for x, y in s if math.isfinite(x) and math.isfinite(y)]
-    xs = [p[0] for p in pts] or [0.0, 1.0]
-    ys = [p[1] for p in pts] or [0.0, 1.0]
-    xt = _nice_ticks(min(xs), max(xs))
-    yt = _nice_ticks(min(0.0, min(ys)), max(ys))
-    x0, x1, y0, y1 = xt[0], xt[-1], yt[0], yt[-1]
-
-    def px(x: float, y: float) -> tuple[float, float]:
-        return (
-            left + (x - x0) / ((x1 - x0) or 1) * (w - left - right),
-            h - bottom - (y - y0) / ((y1 - y0) or 1) * (h - top - bottom),
-        )
-
-    for t in yt:
-        _, y = px(x0, t)
-        d.line([(left, y), (w - right, y)], fill=(225, 225, 225))
-        d.text((left - 8, y), f"{t:g}", fill="black", font=small, anchor="rm")
-    for t in xt:
-        x, _ = px(t, y0)
-        d.line([(x, top), (x, h - bottom)], fill=(235, 235, 235))
-        d.text((x, h - bottom + 8), f"{t:g}", fill="black", font=small, anchor="mt")
-    d.rectangle([left, top, w - right, h - bottom], outline="black")
-    d.text(((left + w - right) / 2, 15), title, fill="black", font=big, anchor="mt")
-    d.text(((left + w - right) / 2, h - 25), xlabel, fill="black", font=font, anchor="mm")
-    label_img = Image.new("RGBA", (h, 30), (255, 255, 255, 0))
-    ImageDraw.Draw(label_img).text((h / 2, 15), ylabel, fill="black", font=font, anchor="mm")
-    img.paste(label_img.rotate(90, expand=True), (10, 0), label_img.rotate(90, expand=True))
-    for k, (name, s) in enumerate(series.items()):
-        ci, dashed = (styles or {}).get(name, (k, False))
-        color = _COLORS[ci % len(_COLORS)]
-        p = [px(x, y) for x, y in sorted(s) if math.isfinite(x) and math.isfinite(y)]
-        _polyline(d, p, color, dashed)
-        for x, y in p:
-            box = [x - 4, y - 4, x + 4, y + 4]
-            d.ellipse(box, fill="white" if dashed else color, outline=color, width=2)
-        ly = top + 10 + 22 * k
-        _polyline(d, [(w - right + 12, ly), (w - right + 42, ly)], color, dashed)
-        d.text((w - right + 48, ly), name, fill="black", font=small, anchor="lm")
-    img.save(path)
+# file, title, y label, [(series, summary key, statistic or None, scale)]: one color per series, solid for the
+# first target, dashed for the second.
+CHARTS = (
+    (
+        "latency.png",
+        "Token latency vs load",
+        "milliseconds",
+        [
+            ("TTFT p50", "ttft_ms", "p50", 1.0),
+            ("TTFT p99", "ttft_ms", "p99", 1.0),
+            ("TPOT p50", "tpot_ms", "p50", 1.0),
+            ("TPOT p99", "tpot_ms", "p99", 1.0),
+            ("ITL p99", "itl_ms", "p99", 1.0),
+        ],
+    ),
+    (
+        "e2e_latency.png",
+        "End-to-end latency vs load",
+        "seconds",
+        [("E2E p50", "e2el_ms", "p50", 1e-3), ("E2E p99", "e2el_ms", "p99", 1e-3)],
+    ),
+    (
+        "throughput.png",
+        "Output throughput vs load",
+        "output tokens / s",
+        [("output tok/s", "output_throughput", None, 1.0)],
+    ),
+    ("requests.png", "Request throughput vs load", "requests / s", [("requests/s", "request_throughput", None, 1.0)]),
+)
 
 
-def _polyline(d: Any, p: list[tuple[float, float]], color: tuple[int, int, int], dashed: bool) -> None:
-    if len(p) < 2:
-        return
-    if not dashed:
-        d.line(p, fill=color, width=3)
-        return
-    for (xa, ya), (xb, yb) in zip(p, p[1:]):
-        n = max(1, int(math.hypot(xb - xa, yb - ya) // 8))
-        for i in range(0, n, 2):  # 8 px on, 8 px off
-            t0, t1 = i / n, min(i + 1, n) / n
-            d.line(
-                [(xa + (xb - xa) * t0, ya + (yb - ya) * t0), (xa + (xb - xa) * t1, ya + (yb - ya) * t1)],
-                fill=color,
-                width=3,
-            )
+def check_plotting() -> None:
+    """Fail early, with what to install, where matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            "the plots need matplotlib: pip install 'vllm-trn-plugin[bench]', or pass --no-plots"
+        ) from None
 
 
 def plot_points(out_dir: Path, points: Sequence[dict[str, Any]], xlabel: str) -> list[Path]:
     """latency.png (TTFT, TPOT, ITL percentiles vs load), e2e_latency.png, throughput.png (output tokens/s)
-    and requests.png (requests/s): one color per statistic, solid for the first target, dashed for the
-    second."""
+    and requests.png (requests/s)."""
+    from matplotlib.figure import Figure
+
     targets = list(dict.fromkeys(pt["target"] for pt in points))
-    charts: dict[str, dict[str, list[tuple[float, float]]]] = {"lat": {}, "e2e": {}, "tput": {}, "rps": {}}
-    styles: dict[str, tuple[int, bool]] = {}
-    stats = [("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50"), ("tpot_ms", "p99"), ("itl_ms", "p99")]
-    for pt in points:
-        s, x, ti = pt["summary"], pt["x"], targets.index(pt["target"])
-        tag = f"{pt['target']} " if len(targets) > 1 else ""
-
-        def add(chart: str, name: str, color: int, y: float, ti: int = ti, tag: str = tag, x: float = x) -> None:
-            charts[chart].setdefault(tag + name, []).append((x, y))
-            styles[tag + name] = (color, ti > 0)
-
-        for c, (metric, stat) in enumerate(stats):
-            add("lat", f"{metric[:-3].upper()} {stat}", c, s[metric][stat])
-        for c, stat in enumerate(("p50", "p99")):
-            add("e2e", f"E2E {stat}", c, s["e2el_ms"][stat] / 1e3)
-        add("tput", "output tok/s", 0, s["output_throughput"])
-        add("rps", "requests/s", 0, s["request_throughput"])
-    files = [out_dir / "latency.png", out_dir / "e2e_latency.png", out_dir / "throughput.png", out_dir / "requests.png"]
-    line_chart(files[0], "Token latency vs load", xlabel, "milliseconds", charts["lat"], styles)
-    line_chart(files[1], "End-to-end latency vs load", xlabel, "seconds", charts["e2e"], styles)
-    line_chart(files[2], "Output throughput vs load", xlabel, "output tokens / s", charts["tput"], styles)
-    line_chart(files[3], "Request throughput vs load", xlabel, "requests / s", charts["rps"], styles)
+    files = []
+    for name, title, ylabel, series in CHARTS:
+        fig = Figure(figsize=(9, 5.4))
+        ax = fig.add_subplot()
+        for color, (label, key, stat, scale) in enumerate(series):
+            for ti, target in enumerate(targets):
+                xy = sorted(
+                    (pt["x"], (pt["summary"][key] if stat is None else pt["summary"][key][stat]) * scale)
+                    for pt in points
+                    if pt["target"] == target
+                )
+                ax.plot(
+                    [x for x, _ in xy],
+                    [y for _, y in xy],
+                    color=f"C{color}",
+                    linestyle="--" if ti else "-",
+                    marker="o",
+                    markerfacecolor="white" if ti else None,
+                    label=f"{target} {label}" if len(targets) > 1 else label,
+                )
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5))
+        files.append(out_dir / name)
+        fig.savefig(files[-1], bbox_inches="tight", dpi=100)
     return files

@@ -1,94 +1,31 @@
 """The vllm-neuron "Beta" model contract, and the adapter that drives this plugin's models through it.
 
-The Beta runner (vllm-neuron branch ``release-0.24.0.1.1.0``, pinned to vLLM 0.24) does not run vLLM's own
-model runner: it builds the model class itself and calls a small contract. That branch is not in the
-stored snapshot (`fetch` gives only ``main`` @ a5ef7c88, the older NxD generation), so every piece below
-was read from the stored versions of ``vllm-project/vllm-neuron`` files from the Beta line (commit per
-file) and, where upstream's index has no copy, from stored forks of it (named). Nothing is copied; the
-data structures are re-declared here with the fields the runner and the models exchange.
+The Beta runner (vllm-neuron ``release-0.24.0.1.1.0``, vLLM 0.24) builds the model class itself and calls a small
+contract instead of vLLM's model runner; docs/trainium.md describes it piece by piece with the vllm-neuron source
+of each. The data structures the runner and the model exchange are re-declared here with the fields both use:
 
-Piece of the contract -> where vllm-neuron defines it:
+- construction: ``model_cls.from_configs(hf_config, neuron_config)`` inside ``torch.device("meta")``, then
+  ``load_weights(checkpoint_path, device, cache_dir)``, ``model.to(device)`` and ``torch.compile``;
+- ``NeuronConfig``: the runner's bucket and sampling settings (``num_seqs_buckets``, ``num_batched_tokens_buckets``,
+  ``decode_context_length_buckets``, ``on_device_sampling_config``, ``max_logprobs``);
+- ``get_kv_spec()`` -> ``KVSpec`` of ``LayerSpec`` (attention, optionally sliding), ``LatentLayerSpec`` (one latent
+  row per token) and ``RecurrentLayerSpec`` (fixed-size states per sequence); ``bind_kv_cache`` receives the caches
+  allocated as raw int8 zeros viewed per spec (``[k, v]`` per attention layer, one tensor per state);
+- ``forward(input_ids, positions, attn_metadata, sampling_positions, sampling_params, spec_decode_metadata, rank,
+  logit_mask)`` returns logits at ``sampling_positions`` or, with on-device sampling, ``(tokens, logits)``;
+  ``attn_metadata`` maps each layer to its KV group's dict (``block_table_tensor`` with the null block as -1,
+  ``slot_mapping``, ``max_query_len``, ``cached_seq_len``, ``swa_kv_pos_offset``, ...);
+- padding: a prefill is padded to a token bucket and a decode batch to a sequence bucket, padded tokens' slots at
+  ``NULL_BLOCK_ID`` (0; -1 at vLLM 0.21, still the block-table sentinel); one prefill per step, never mixed with
+  decodes; under tensor parallelism one worker process per rank, vLLM's groups set up before the model is built.
 
-- Construction: ``NeuronModelRunner.load_model`` resolves the class through vLLM's ``ModelRegistry``
-  and calls ``model_cls.from_configs(hf_config, self.neuron_config)`` inside ``torch.device("meta")``;
-  then, unless ``VLLM_NEURON_CPU_COMPILE``, ``model.load_weights(model_config.model, self.device,
-  load_config.download_dir)`` and ``model.to(self.device)``; then ``torch.compile(model,
-  fullgraph=not VLLM_NEURON_DEBUG_MODE)`` (``vllm_neuron/vllm/worker/neuron_model_runner.py``
-  @ 9fc042eaa7e50fbfda292b75c980bf56a9a0e8b6). Pattern: ``Qwen3ForCausalLM.from_configs`` /
-  ``Qwen3Config.from_configs`` (``vllm_neuron/model/qwen3/model.py`` @ 9d83b11c,
-  ``vllm_neuron/model/qwen3/config.py`` @ 09006a44).
-- ``NeuronConfig``: built by the runner from ``additional_config["neuron_config"]``
-  (``NeuronConfig.from_dict``); the fields used here (``num_seqs_buckets``, ``num_batched_tokens_buckets``,
-  ``decode_context_length_buckets``, ``on_device_sampling_config``, ``max_logprobs``) are the ones
-  ``NeuronModelRunner.__init__`` resolves (same runner file).
-- ``get_kv_spec()``: returns ``KVSpec(layers=[LayerSpec(...)])``; the runner maps each ``LayerSpec`` to
-  vLLM's ``FullAttentionSpec`` or, with ``sliding_window_size``, ``SlidingWindowSpec``
-  (``NeuronModelRunner.get_kv_cache_spec``). ``RecurrentLayerSpec`` (fixed-size state per sequence,
-  ``KVSpec.recurrent_layers``) is what ``Qwen3_5ForCausalLM.get_kv_spec`` returns
-  (``vllm_neuron/model/qwen3_5/model.py`` @ aa9b76b7). ``vllm_neuron/model/kv_cache.py`` itself is not
-  in upstream's index: ``LayerSpec`` / ``KVSpec`` fields from ``jinhuang12/vllm-neuron`` @ 10c6804d,
-  ``RecurrentLayerSpec`` and ``LatentLayerSpec`` (an MLA layer: one latent row per token, no V half)
-  from a second stored copy of that file (the index does not name its repository).
-- ``bind_kv_cache(kv_caches)``: ``NeuronModelRunner.initialize_kv_cache`` allocates each cache as raw
-  int8 zeros, views it as the spec dtype shaped ``(2, num_blocks, num_kv_heads, block_size, head_size)``
-  and hands ``{layer_name: [k_cache, v_cache]}`` to ``model.bind_kv_cache``. Recurrent layers get one
-  tensor per state, leading dim = block id ("the default per-state flat views"), unless the model sets
-  ``kv_cache_page_major`` (``Qwen3_5ForCausalLM``, ``vllm_neuron/model/qwen3_5/model.py`` @ aa9b76b7).
-- ``load_weights(checkpoint_path, device, cache_dir)``: signature and call as above; Beta models load
-  with ``load_state_dict(assign=True)``.
-- ``forward``: ``NeuronModelRunner._execute_model_forward`` calls ``model(input_ids=, positions=,
-  attn_metadata=, sampling_positions=, sampling_params=, spec_decode_metadata=, rank=,
-  logit_mask=)``; the model returns logits at ``sampling_positions`` (vLLM's sampler then samples on
-  the host) or, with ``on_device_sampling_config``, ``(sampled_tokens, gathered_logits)``.
-- ``attn_metadata``: ``NeuronModelRunner._build_attention_metadata`` -- a dict from layer name to a dict
-  (one per KV-cache group, shared by its layers) with ``block_table_tensor`` (int32; vLLM's null block 0
-  remapped to -1 by ``_remap_null_block_to_sentinel``), ``slot_mapping`` (int64, ``block * block_size
-  + offset``), ``max_query_len``, ``block_size``, ``max_blocks_per_seq``, ``decode_token_threshold``,
-  ``cached_seq_len`` (int32 ``[[n]]``), ``kv_segment_size``, ``full_block_table_tensor`` and, for
-  sliding-window groups at decode (and context-bucketed decode), ``swa_kv_pos_offset``. A step is a
-  decode iff ``max_query_len <= decode_token_threshold``.
-- Padding: ``_create_padded_inputs`` pads a prefill to its ``num_batched_tokens_buckets`` bucket with
-  token 0 at the last real position; ``_apply_decode_slot_mapping_padding`` / ``_pad_to_compiled_shapes``
-  pad a decode batch to the ``num_seqs_buckets`` bucket (``get_decode_padded_batch_size``) with token 0,
-  position 0 and the last real index repeated in ``sampling_positions``. Padded tokens' slots are
-  ``NULL_BLOCK_ID`` (0) -- not -1: ``Qwen3_5GatedDeltaNet.state_indices``
-  (``vllm_neuron/model/qwen3_5/deltanet.py`` @ b3a5a71f) records that the sentinel moved from -1 (0.21)
-  to 0 (0.24); -1 survives only as the block-table sentinel.
-- Bucketed shapes: ``num_batched_tokens_buckets`` (prefill), ``num_seqs_buckets`` (decode batch),
-  ``decode_context_length_buckets`` (decode block-table width, ``_decode_ctx_blocks_from_max_decode_ctx_len``),
-  sliding-window block tables trimmed to the window (``_compute_swa_num_blocks`` /
-  ``_compute_swa_decode_tensors``); bucket helpers in ``vllm_neuron/utils/bucket_utils.py`` (stored fork
-  copy ``AWShtokoyo/vllm-neuron`` @ 01c89e38). One prefill per step, never mixed with decodes
-  (``NeuronModelRunner._compute_cached_seq_len``: "Neuron currently only supports a prefill batch size
-  of 1").
-- Tensor parallelism: one worker process per rank; the worker sets up vLLM's process groups
-  (``init_neuron_distributed_environment`` wrapping vLLM's ``init_distributed_environment`` and
-  ``ensure_model_parallel_initialized``, ``vllm_neuron/parallel/neuron_parallel_state.py`` @ b3a5a71f)
-  before building the model, and the runner passes ``rank = torch.tensor(tp_rank, dtype=torch.int32)``
-  (``get_tp_group().rank_in_group``) to every forward (runner file). Beta models read the size from
-  ``get_tp_group()`` and shard themselves at load (``vllm_neuron/model/qwen3/model.py`` @ 9d83b11c).
-- ``VLLM_NEURON_CPU_MODE=1`` ("Enable CPU fallback mode instead of using Neuron accelerators", stored
-  copies of ``vllm_neuron/envs.py``): ``load_model`` skips the graph-capture backend and permits
-  ``enforce_eager`` (``torch.compiler.set_stance("force_eager")``), otherwise asserted off (runner file);
-  tensors live on ``cpu`` (vllm-neuron's examples: ``device = "cpu" if envs.VLLM_NEURON_CPU_MODE else
-  "neuron:0"``); NKI kernels run only with ``NKI_SIMULATOR=1`` (NKI's simulator), else the torch fallback
-  (``can_run_kernel`` in stored copies of vllm-neuron's kernel utilities). This plugin's analogue of that
-  switch is ``VLLM_TRN_KERNELS`` (``torch`` / ``emulate``: the project's own NKI emulator).
-
-Where this differs from ``shared/notes/neuron-stack.md``: padding slots are 0 at 0.24 (the note says -1);
-``attn_metadata`` entries are plain dicts keyed per layer; the runner builds the model on the meta
-device; and the one runner version whose full source is stored (9fc042ea) allocates only attention
-specs -- the recurrent and latent specs come from later model code.
-
-How the adapter honours it: the model is the plugin's own vLLM model class
-(``model_executors/laplace.py``, ``model_executors/trinity_mla.py``), built with vLLM's
-``initialize_model`` and loaded with vLLM's loader plus the model's own ``load_weights`` (so packed
-MXFP4 checkpoints and every load check behave as under vLLM). Each forward translates the Beta
-metadata into the metadata those layers already read from vLLM's forward context (``GLAStateMetadata``,
-``LatentMetadata``) and runs the unchanged model under that context; the caches the layers read and
-write are the tensors the runner bound. Decode ops therefore go through ``kernels/dispatch.py`` exactly
-as under vLLM (``VLLM_TRN_KERNELS``). What the Beta runner would need beyond that is listed in
-``docs/trainium.md``.
+How the adapter honours it: the model is the plugin's own vLLM model class (``model_executors/laplace.py``,
+``model_executors/trinity_mla.py``), built with vLLM's ``initialize_model`` and loaded with vLLM's loader plus the
+model's own ``load_weights`` (so packed MXFP4 checkpoints and every load check behave as under vLLM). Each forward
+translates the Beta metadata into the metadata those layers already read from vLLM's forward context
+(``GLAStateMetadata``, ``LatentMetadata``) and runs the unchanged model under that context; the caches the layers
+read and write are the tensors the runner bound. Decode ops go through ``kernels/dispatch.py`` exactly as under
+vLLM (``VLLM_TRN_KERNELS``).
 """
 
 from __future__ import annotations

@@ -15,33 +15,48 @@ layers before it produce. The math is transformers' `AfmoeForCausalLM` (models/a
 - MLP: down(silu(gate x) * up x); MoE: sigmoid router scores, top-k of scores + expert_bias,
   the chosen scores renormalised and x route_scale, plus the unscaled shared expert.
 
+`ToolRun` is the frame both tools share: the source read lazily (`loaders/io.Checkpoint`), its geometry, the
+calibration tokens, the destination's shard writer, per-layer time, memory and progress.
 `tests/test_convert_mla.py` checks this forward against transformers' model.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from vllm_trn_plugin.loaders.mxfp4 import CheckpointFormatError
-from vllm_trn_plugin.loaders.packed import _Entry, _Reader, _scan_dir
+from vllm_trn_plugin.loaders.io import (
+    SHARD_BYTES,
+    Checkpoint,
+    ShardWriter,
+    copy_side_files,
+    prepare_destination,
+    write_config,
+)
+from vllm_trn_plugin.tools.calibration import load_calibration
 
 __all__ = [
-    "Checkpoint",
     "Geometry",
     "LayerMeter",
     "Linear",
     "MLP_CHUNK_TOKENS",
+    "ToolReport",
+    "ToolRun",
     "attention",
+    "attention_residual",
+    "attention_weights",
+    "embed",
+    "kv_projection",
     "layer_prefix",
     "mlp_dense",
+    "mlp_forward",
+    "mlp_residual",
     "rms_norm",
     "route",
 ]
@@ -79,7 +94,8 @@ class LayerMeter:
 
 @dataclass(frozen=True)
 class Geometry:
-    """The AfmoeConfig fields the layer forward needs, read from config.json and checked."""
+    """The AfmoeConfig fields the layer forward needs, from config.json through transformers' `AfmoeConfig` (which
+    derives `layer_types`, the rope parameters and the defaults) and checked."""
 
     hidden: int
     num_heads: int
@@ -112,103 +128,135 @@ class Geometry:
         return i >= self.num_dense_layers
 
     @classmethod
-    def from_config(cls, cfg: dict, where: str) -> Geometry:
-        """`where` (the config file) prefixes every error."""
+    def from_config(cls, cfg: dict[str, Any], where: str) -> Geometry:
+        """`cfg`: config.json's contents; `where` (the config file) prefixes every error."""
+        from huggingface_hub.errors import StrictDataclassError
+        from transformers import AfmoeConfig
+
         if cfg.get("model_type") != "afmoe":
             raise ValueError(
                 f"{where}: model_type {cfg.get('model_type')!r}: the checkpoint tools take AFMoE (Trinity)"
             )
-
-        def need(key: str) -> object:
+        for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size"):
             if cfg.get(key) is None:
                 raise ValueError(f"{where}: field {key!r} is missing")
-            return cfg[key]
-
-        n_layers = int(need("num_hidden_layers"))
-        types = cfg.get("layer_types")
-        if types is None:
-            every = int(cfg.get("global_attn_every_n_layers") or 4)
-            types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
-        if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        try:
+            c = AfmoeConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+        except (StrictDataclassError, TypeError, ValueError) as e:
+            raise ValueError(f"{where}: not a valid AfmoeConfig: {e}") from e
+        n_layers = c.num_hidden_layers
+        if len(c.layer_types) != n_layers or not set(c.layer_types) <= {"sliding_attention", "full_attention"}:
             raise ValueError(f"{where}: field 'layer_types' must list {n_layers} sliding_attention/full_attention")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"{where}: field 'rope_parameters': rope_type {rope_type!r} is not supported (default)")
-        theta = rope.get("rope_theta", cfg.get("rope_theta"))
-        if theta is None:
+        rope = c.rope_parameters or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(
+                f"{where}: field 'rope_parameters': rope_type {rope['rope_type']!r} is not supported (default)"
+            )
+        if rope.get("rope_theta") is None:
             raise ValueError(f"{where}: field 'rope_parameters.rope_theta' is missing")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{where}: field 'hidden_act' is {cfg['hidden_act']!r}; AFMoE uses silu")
+        if c.hidden_act != "silu":
+            raise ValueError(f"{where}: field 'hidden_act' is {c.hidden_act!r}; AFMoE uses silu")
         # transformers' router is fixed to these; a checkpoint asking for another one is not this model.
         for key, value in {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1}.items():
             if key in cfg and cfg[key] != value:
                 raise ValueError(f"{where}: field {key!r} is {cfg[key]!r}; only {value!r} is implemented")
-        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         rank = cfg.get("kv_lora_rank")
         return cls(
-            hidden=hidden,
-            num_heads=heads,
-            num_kv_heads=int(need("num_key_value_heads")),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            hidden=c.hidden_size,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim or c.hidden_size // c.num_attention_heads,
             num_layers=n_layers,
-            layer_types=tuple(types),
-            num_dense_layers=int(cfg.get("num_dense_layers", 0)),
-            num_experts=int(cfg.get("num_experts") or 0),
-            top_k=int(cfg.get("num_experts_per_tok") or 0),
-            route_scale=float(cfg.get("route_scale", 1.0)),
-            eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(theta),
-            sliding_window=cfg.get("sliding_window"),
-            mup=bool(cfg.get("mup_enabled", False)),
-            intermediate=int(cfg.get("intermediate_size") or 0),
-            moe_intermediate=int(cfg.get("moe_intermediate_size") or 0),
-            num_shared=int(cfg.get("num_shared_experts", 0)),
-            vocab=int(need("vocab_size")),
+            layer_types=tuple(c.layer_types),
+            num_dense_layers=c.num_dense_layers or 0,
+            num_experts=c.num_experts or 0,
+            top_k=c.num_experts_per_tok or 0,
+            route_scale=float(c.route_scale if c.route_scale is not None else 1.0),
+            eps=float(c.rms_norm_eps),
+            rope_theta=float(rope["rope_theta"]),
+            sliding_window=c.sliding_window,
+            mup=bool(c.mup_enabled),
+            intermediate=c.intermediate_size,
+            moe_intermediate=c.moe_intermediate_size,
+            num_shared=c.num_shared_experts or 0,
+            vocab=c.vocab_size,
             kv_lora_rank=None if rank is None else int(rank),
         )
 
 
-class Checkpoint:
-    """A safetensors checkpoint directory read lazily: headers up front, one tensor per `get`."""
+@dataclass(kw_only=True)
+class ToolReport:
+    """What every tool run reports."""
 
-    def __init__(self, root: str | Path, stack: ExitStack) -> None:
-        self.root = Path(root)
-        cfg_path = self.root / "config.json"
-        if not cfg_path.is_file():
-            raise FileNotFoundError(f"{cfg_path}: not found (a checkpoint directory needs config.json)")
-        self.config_path = cfg_path
-        self.config = json.loads(cfg_path.read_text())
-        self.entries: dict[str, _Entry] = _scan_dir(self.root)
-        self._reader = _Reader(stack)
+    dst: Path
+    calib_tokens: int
+    shards: list[str] = field(default_factory=list)
+    layer_seconds: dict[int, float] = field(default_factory=dict)  # per layer: its fit, calibration forward, ...
+    layer_peak_rss: dict[int, int] = field(default_factory=dict)  # bytes, the process's peak during the layer
+    seconds: float = 0.0
 
-    def where(self, name: str) -> str:
-        entry = self.entries.get(name)
-        return f"{entry.file if entry else self.root}: tensor {name}"
 
-    def require(self, names: list[str], shapes: dict[str, tuple[int, ...]] | None = None) -> None:
-        """Header-only check: every name present (and of the given shape)."""
-        for name in names:
-            if name not in self.entries:
-                raise CheckpointFormatError(f"{self.root}: tensor {name} is missing")
-            if shapes and name in shapes and self.entries[name].shape != shapes[name]:
-                raise CheckpointFormatError(
-                    f"{self.where(name)}: shape {list(self.entries[name].shape)}, expected {list(shapes[name])}"
-                )
+class ToolRun:
+    """One run of checkpoint tool `desc` from `src` to `dst` (a context manager): opens the source lazily, reads its
+    geometry, runs `check(ckpt, geo)`, loads the calibration tokens (`calib`, `calib_tokens`, `seq_len`: see
+    `load_calibration`) and prepares the destination, in that order, so that every refusal comes before anything
+    is written. `layers` walks the decoder layers measuring each (and shows progress when `progress`); `finish`
+    writes the last shard (shards of `shard_bytes`), config.json and the side files (tokenizer etc.)."""
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        if name not in self.entries:
-            raise CheckpointFormatError(f"{self.root}: tensor {name} is missing")
-        t = self._reader.get(name, self.entries[name])
-        if shape is not None and tuple(t.shape) != shape:
-            raise CheckpointFormatError(f"{self.where(name)}: shape {list(t.shape)}, expected {list(shape)}")
-        return t
+    def __init__(
+        self,
+        desc: str,
+        src: str | Path,
+        dst: str | Path,
+        check: Callable[[Checkpoint, Geometry], None],
+        calib: str | Path | torch.Tensor,
+        calib_tokens: int,
+        seq_len: int,
+        shard_bytes: int = SHARD_BYTES,
+        progress: bool = True,
+    ) -> None:
+        from tqdm.auto import tqdm
 
-    def f32(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        return self.get(name, shape).float()
+        self.t0 = time.perf_counter()
+        self.src, self.dst = Path(src), Path(dst)
+        self.ckpt = Checkpoint(self.src)
+        try:
+            self.geo = Geometry.from_config(self.ckpt.config, str(self.ckpt.config_path))
+            check(self.ckpt, self.geo)
+            self.tokens = load_calibration(
+                calib, tokenizer_dir=self.src, num_tokens=calib_tokens, seq_len=seq_len, vocab_size=self.geo.vocab
+            )
+            prepare_destination(self.src, self.dst)
+        except BaseException:
+            self.ckpt.close()
+            raise
+        self.writer = ShardWriter(self.dst, shard_bytes)
+        self.bar = tqdm(total=self.geo.num_layers, desc=desc, unit="layer", disable=not progress)
 
-    def names(self, prefix: str) -> Iterator[str]:
-        return (n for n in self.entries if n.startswith(prefix))
+    def hidden_states(self) -> torch.Tensor:
+        """The calibration hidden states at the first layer's input [sequences, length, hidden], float32."""
+        return embed(self.geo, self.ckpt, self.tokens)
+
+    def layers(self, report: ToolReport) -> Iterator[int]:
+        """0 .. num_layers - 1; each layer's wall time and peak memory land in `report`."""
+        for i in range(self.geo.num_layers):
+            meter = LayerMeter()
+            yield i
+            report.layer_seconds[i], report.layer_peak_rss[i] = meter.stop()
+            self.bar.update(1)
+
+    def finish(self, report: ToolReport, config: dict[str, Any]) -> None:
+        report.shards = self.writer.finish()
+        write_config(self.dst, config)
+        copy_side_files(self.src, self.dst)
+        report.seconds = time.perf_counter() - self.t0
+
+    def __enter__(self) -> ToolRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
+        self.ckpt.close()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -360,18 +408,3 @@ def embed(geo: Geometry, ckpt: Checkpoint, tokens: torch.Tensor) -> torch.Tensor
     table = ckpt.get("model.embed_tokens.weight", (geo.vocab, geo.hidden))
     h = table[tokens].float()
     return h * geo.hidden**0.5 if geo.mup else h
-
-
-@torch.no_grad()
-def model_logits(src: str | Path, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits [S, L, vocab] of an unquantized AFMoE / MLA-Trinity checkpoint by this module's forward."""
-    with ExitStack() as stack:
-        ckpt = Checkpoint(src, stack)
-        geo = Geometry.from_config(ckpt.config, str(ckpt.config_path))
-        h = embed(geo, ckpt, tokens)
-        for i in range(geo.num_layers):
-            w = attention_weights(ckpt, geo, i)
-            h = attention_residual(geo, i, w, h)
-            h = mlp_residual(geo, i, w, h, lambda x, i=i: mlp_forward(geo, i, ckpt, x))
-        h = rms_norm(h, ckpt.get("model.norm.weight"), geo.eps)
-        return h @ ckpt.f32("lm_head.weight").T

@@ -29,31 +29,25 @@ full-attention layer are copied without running them.
 
 from __future__ import annotations
 
-import json
-import shutil
-import time
-from contextlib import ExitStack
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from vllm_trn_plugin.loaders.mxfp4 import CheckpointFormatError
-from vllm_trn_plugin.loaders.packed import SHARD_BYTES, _ShardWriter
+from vllm_trn_plugin.loaders.io import SHARD_BYTES, Checkpoint, CheckpointFormatError
 from vllm_trn_plugin.tools.afmoe_forward import (
-    Checkpoint,
     Geometry,
-    LayerMeter,
+    ToolReport,
+    ToolRun,
     attention_residual,
     attention_weights,
-    embed,
     kv_projection,
     layer_prefix,
     mlp_forward,
     mlp_residual,
     rms_norm,
 )
-from vllm_trn_plugin.tools.calibration import load_calibration
 
 __all__ = ["ConvertReport", "LatentFit", "convert_mla", "fit_latent", "max_latent"]
 
@@ -73,16 +67,10 @@ class LatentFit:
     value_error: float  # E||v - v'||^2 / E||v||^2
 
 
-@dataclass
-class ConvertReport:
-    dst: Path
+@dataclass(kw_only=True)
+class ConvertReport(ToolReport):
     latent: int
-    calib_tokens: int
     layers: list[LatentFit] = field(default_factory=list)
-    shards: list[str] = field(default_factory=list)
-    layer_seconds: dict[int, float] = field(default_factory=dict)  # fit and/or calibration forward, per layer
-    layer_peak_rss: dict[int, int] = field(default_factory=dict)  # bytes, the process's peak during the layer
-    seconds: float = 0.0
 
 
 def max_latent(geo: Geometry) -> int:
@@ -192,30 +180,6 @@ def _check_source(ckpt: Checkpoint, geo: Geometry, latent: int) -> None:
     ckpt.require(["model.embed_tokens.weight"], {"model.embed_tokens.weight": (geo.vocab, geo.hidden)})
 
 
-def _prepare_dst(src: Path, dst: Path) -> None:
-    if dst.exists() and dst.resolve() == src.resolve():
-        raise ValueError(f"destination {dst} is the source directory")
-    dst.mkdir(parents=True, exist_ok=True)
-    if any(dst.glob("*.safetensors")) or (dst / "config.json").exists():
-        raise FileExistsError(f"{dst} already holds a checkpoint")
-
-
-def copy_side_files(src: Path, dst: Path) -> list[str]:
-    """Tokenizer, chat template, generation config: every non-weight file but config.json."""
-    copied = []
-    for p in sorted(src.iterdir()):
-        if p.is_file() and p.suffix != ".safetensors" and p.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy2(p, dst / p.name)
-            copied.append(p.name)
-    return copied
-
-
-def _progress(total: int, desc: str, enabled: bool):  # noqa: ANN202
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="layer", disable=not enabled)
-
-
 @torch.no_grad()
 def convert_mla(
     src_dir: str | Path,
@@ -235,26 +199,17 @@ def convert_mla(
     Every other tensor is copied unchanged; config.json gains `kv_lora_rank` and
     `architectures: ["TrinityMLAForCausalLM"]`; tokenizer files are copied.
     """
-    t0 = time.perf_counter()
-    src, dst = Path(src_dir), Path(dst_dir)
-    with ExitStack() as stack:
-        ckpt = Checkpoint(src, stack)
-        geo = Geometry.from_config(ckpt.config, str(ckpt.config_path))
-        _check_source(ckpt, geo, latent)
-        tokens = load_calibration(
-            calib, tokenizer_dir=src, num_tokens=calib_tokens, seq_len=seq_len, vocab_size=geo.vocab
-        )
-        _prepare_dst(src, dst)
-        report = ConvertReport(dst=dst, latent=latent, calib_tokens=tokens.numel())
-        writer = _ShardWriter(dst, shard_bytes)
+    check = functools.partial(_check_source, latent=latent)
+    run = ToolRun("convert-mla", src_dir, dst_dir, check, calib, calib_tokens, seq_len, shard_bytes, progress)
+    with run:
+        ckpt, geo, writer = run.ckpt, run.geo, run.writer
+        report = ConvertReport(dst=run.dst, latent=latent, calib_tokens=run.tokens.numel())
         for name in ckpt.entries:
             if not name.startswith("model.layers."):
                 writer.add(name, ckpt.get(name))
-        h = embed(geo, ckpt, tokens)
+        h = run.hidden_states()
         last_full = max(i for i in range(geo.num_layers) if geo.is_full(i))
-        bar = _progress(geo.num_layers, "convert-mla", progress)
-        for i in range(geo.num_layers):
-            meter = LayerMeter()
+        for i in run.layers(report):
             p = layer_prefix(i)
             skip: set[str] = set()
             if geo.is_full(i):
@@ -270,7 +225,7 @@ def convert_mla(
                 writer.add(p + "self_attn.kv_b_proj.weight", fit.kv_b)
                 skip = {p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"}
                 w["kv_a_proj"], w["kv_b_proj"] = fit.kv_a.float(), fit.kv_b.float()
-                bar.set_postfix(layer=i, key_err=f"{fit.key_error:.2e}", value_err=f"{fit.value_error:.2e}")
+                run.bar.set_postfix(layer=i, key_err=f"{fit.key_error:.2e}", value_err=f"{fit.value_error:.2e}")
             for name in ckpt.names(p):
                 if name not in skip:
                     writer.add(name, ckpt.get(name))
@@ -279,13 +234,6 @@ def convert_mla(
                     w = attention_weights(ckpt, geo, i)
                 h = attention_residual(geo, i, w, h, kv_projection(geo, w))
                 h = mlp_residual(geo, i, w, h, lambda x, i=i: mlp_forward(geo, i, ckpt, x))
-            report.layer_seconds[i], report.layer_peak_rss[i] = meter.stop()
-            bar.update(1)
-        bar.close()
-        report.shards = writer.finish()
-    config = dict(ckpt.config)
-    config.update(architectures=["TrinityMLAForCausalLM"], model_type="afmoe", kv_lora_rank=latent)
-    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    copy_side_files(src, dst)
-    report.seconds = time.perf_counter() - t0
+        mla = {"architectures": ["TrinityMLAForCausalLM"], "model_type": "afmoe", "kv_lora_rank": latent}
+        run.finish(report, {**ckpt.config, **mla})
     return report

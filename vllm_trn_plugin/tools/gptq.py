@@ -4,7 +4,8 @@ A weight matrix W [out, in] whose inputs x have the (uncentred) second moment H 
 is quantized to Q minimising the layer output error sum_n ||(W - Q) x_n||^2 = tr((W - Q) H (W - Q)^T).
 
 MXFP4 values are c * 2^E: c an E2M1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), one
-exponent E per block of 32 consecutive inputs of a row (`loaders/mxfp4.py`).
+exponent E per block of 32 consecutive inputs of a row. The rounding, the round-to-nearest exponents and the
+spread rule are `loaders/mxfp4.py`'s, shared with `quantize_rtn`.
 
 1. Block exponents (fixed before the error feedback, since a block's columns are spread over the
    activation order). Round-to-nearest takes E0 = floor(log2(amax)) - 2 (the block's largest value
@@ -14,7 +15,7 @@ exponent E per block of 32 consecutive inputs of a row (`loaders/mxfp4.py`).
    everywhere else, a larger one the reverse, and which wins depends on how much the inputs of
    those columns matter.
 2. Loadability: the exact MXFP4 -> FP8 expansion needs every row's nonzero block exponents within
-   13 octaves (`MAX_ROW_SPREAD`), so every exponent is raised to at least the row's largest minus
+   13 octaves (`MAX_ROW_SPREAD`), so every exponent (`limit_spread`) is raised to at least the row's largest minus
    13 (such a far block then rounds most of its tiny values to 0; a block that is all zero adds no
    spread). All-zero blocks take the row's largest exponent, as `quantize_rtn` does.
 3. GPTQ (Frantar et al. 2022): H is damped (H + damp * mean(diag H) * I; inputs never seen get
@@ -32,75 +33,18 @@ from __future__ import annotations
 
 import torch
 
-from vllm_trn_plugin.loaders.mxfp4 import BLOCK_SIZE, E2M1_VALUES, MAX_ROW_SPREAD
+from vllm_trn_plugin.loaders.mxfp4 import (
+    BLOCK_SIZE,
+    exact_pow2,
+    limit_spread,
+    round_scaled,
+    rtn_exponents,
+)
 
-__all__ = [
-    "gptq",
-    "hessian_exponents",
-    "limit_spread",
-    "pack_codes",
-    "quantize_codes",
-    "rtn_exponents",
-]
+__all__ = ["gptq", "hessian_exponents"]
 
 _E_MIN, _E_MAX = -127, 127  # E8M0 byte 0..254 (255 is NaN)
-_ZERO_BLOCK = -1000  # marks an all-zero block before it takes its row's exponent
 _CHUNK_ELEMS = 1 << 18  # weights per chunk of the exponent search
-
-
-def _magnitude_codes(a: torch.Tensor) -> torch.Tensor:
-    """|x| (on the grid, or to be rounded) -> E2M1 magnitude code 0..7, as `_round_magnitude` rounds it."""
-    v = _round_magnitude(a)
-    return torch.where(v < 2, v * 2, torch.where(v < 4, v + 2, v / 2 + 4)).to(torch.uint8)
-
-
-def _round_magnitude(a: torch.Tensor) -> torch.Tensor:
-    """|x| -> nearest E2M1 magnitude, ties to the even code, saturating at 6 (`quantize_rtn`'s rounding).
-
-    The grid's step is 0.5 below 2, 1 in [2, 4) and 2 from 4 on, and a value's code has the parity of its
-    multiple of the step (1.5 = 3 x 0.5 is code 3, 4 = 2 x 2 is code 6), so rounding a / step half to even is
-    rounding to the even code; the division by a power of two is exact.
-    """
-    step = (a >= 2).to(a.dtype).mul_(0.5).add_((a >= 4).to(a.dtype)).add_(0.5)  # 0.5, 1 or 2
-    return torch.round(a / step).mul_(step).clamp_(max=6.0)
-
-
-def _pow2(exp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """2^exp for integer exp in [-127, 127], built from float32 bits (exact; 2^-127 is float32's subnormal 2^22 ulp)."""
-    e = exp.to(torch.int32)
-    bits = torch.where(e > -127, (e + 127) << 23, 1 << 22)
-    return bits.view(torch.float32).to(dtype)
-
-
-def _grid(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
-
-
-def round_to_grid(w: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
-    """Nearest MXFP4 value c * 2^exp of each w (exp broadcast to w's shape), in w's dtype."""
-    return _round_scaled(w, _pow2(exp, w.dtype))
-
-
-def _round_scaled(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    x = w / scale
-    return torch.copysign(_round_magnitude(x.abs()), x).mul_(scale)
-
-
-def rtn_exponents(w: torch.Tensor) -> torch.Tensor:
-    """E0 = floor(log2(amax)) - 2 per block [..., out, in/32] int16 (all-zero blocks marked, see `limit_spread`)."""
-    amax = w.reshape(*w.shape[:-1], -1, BLOCK_SIZE).abs().amax(-1)
-    _, ex = torch.frexp(amax)  # amax = m * 2^ex, m in [0.5, 1): floor(log2(amax)) = ex - 1, exact
-    e = (ex - 3).clamp(_E_MIN, _E_MAX).to(torch.int16)
-    return torch.where(amax > 0, e, _ZERO_BLOCK)
-
-
-def limit_spread(exp: torch.Tensor) -> torch.Tensor:
-    """Raise every block to >= row max - 13 (exactly expandable to FP8); all-zero blocks take the row max."""
-    zero = exp == _ZERO_BLOCK
-    top = torch.where(zero, _E_MIN - 1, exp).amax(-1, keepdim=True)
-    top = torch.where(top < _E_MIN, 0, top)  # an all-zero row: byte 127, as quantize_rtn
-    exp = torch.where(zero, top, exp.clamp(min=top - MAX_ROW_SPREAD))
-    return exp.clamp(_E_MIN, _E_MAX)
 
 
 def hessian_exponents(w: torch.Tensor, h: torch.Tensor, offsets: tuple[int, ...] = (-1, 0, 1)) -> torch.Tensor:
@@ -119,7 +63,7 @@ def hessian_exponents(w: torch.Tensor, h: torch.Tensor, offsets: tuple[int, ...]
             cost_best = None
             for off in offsets:
                 cand = (base + off).clamp(_E_MIN, _E_MAX)
-                err = wb - _round_scaled(wb, _pow2(cand, w.dtype).unsqueeze(-1))  # [rows, nb, 32]
+                err = wb - round_scaled(wb, exact_pow2(cand, w.dtype).unsqueeze(-1))  # [rows, nb, 32]
                 cost = (torch.einsum("obi,bij->obj", err, hb) * err).sum(-1)  # [rows, nb]
                 if cost_best is None:
                     cost_best, pick = cost, cand
@@ -127,11 +71,7 @@ def hessian_exponents(w: torch.Tensor, h: torch.Tensor, offsets: tuple[int, ...]
                     better = cost < cost_best
                     cost_best, pick = torch.where(better, cost, cost_best), torch.where(better, cand, pick)
             best[x, r0 : r0 + rows] = pick
-    return torch.where(e0 == _ZERO_BLOCK, _ZERO_BLOCK, best)
-
-
-def _expand(exp: torch.Tensor) -> torch.Tensor:
-    return exp.repeat_interleave(BLOCK_SIZE, -1)
+    return torch.where(e0 < _E_MIN, e0, best)  # all-zero blocks keep rtn_exponents' mark
 
 
 def gptq(
@@ -174,10 +114,10 @@ def gptq(
     for b0 in range(0, n_in, block):
         b1 = min(b0 + block, n_in)
         W1, U1 = Wt[:, b0:b1], U[:, b0:b1, b0:b1]
-        scale = _pow2(col_exp[:, b0:b1], Wt.dtype)
+        scale = exact_pow2(col_exp[:, b0:b1], Wt.dtype)
         Err = torch.empty_like(W1)
         for j in range(b1 - b0):
-            q = _round_scaled(W1[:, j], scale[:, j])
+            q = round_scaled(W1[:, j], scale[:, j])
             Q[:, b0 + j] = q
             err = torch.sub(W1[:, j], q, out=Err[:, j]).div_(U1[:, j, j, None])
             if j + 1 < b1 - b0:
@@ -204,17 +144,3 @@ def _inverse_cholesky_upper(flipped: torch.Tensor) -> torch.Tensor:
             return torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False).flip(-1, -2)
         extra = max(extra * 10, 1e-4 * float(torch.diagonal(flipped, dim1=-2, dim2=-1).mean()))
     raise ValueError("GPTQ: the input Hessian is not positive definite even after extra damping")
-
-
-def quantize_codes(q: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (sign bit 3; 0 as +0) of MXFP4 values q [..., out, in] at block exponents exp [..., out, in/32]."""
-    x = q / _pow2(_expand(exp), q.dtype)
-    mag = _magnitude_codes(x.abs())
-    if not torch.equal(_grid(q.dtype, q.device)[mag.long()], x.abs()):
-        raise ValueError("quantize_codes: values are not on the MXFP4 grid of their exponents")
-    return mag | (((x < 0) & (mag > 0)).to(torch.uint8) << 3)
-
-
-def pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [..., in] -> bytes [..., in/2]: element 2j in the low nibble of byte j (compressed-tensors layout)."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)

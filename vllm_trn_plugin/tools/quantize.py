@@ -19,18 +19,15 @@ becomes MXFP4 with a bf16 bias-correction vector; the LM head becomes per-row FP
    (default 16384; always, for one no token reached) gets plain RTN (`quantize_rtn`'s rounding) and a zero
    bias: its Hessian and mean would be estimated from too few tokens. Dense MLPs and shared experts see every token.
 
-Every row respects the exact FP8 expansion rule (block exponents within 13 octaves, `gptq.limit_spread`),
+Every row respects the exact FP8 expansion rule (block exponents within 13 octaves, `loaders.mxfp4.limit_spread`),
 so the result loads without `VLLM_TRN_ALLOW_BF16`. Streaming as in `convert_mla`: one layer's tensors at a
 time, the calibration hidden states [tokens, hidden] float32 in memory, shards written as they fill.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,31 +35,36 @@ import torch
 import torch.nn.functional as F
 
 from vllm_trn_plugin.kernels.fp8_expert import quantize_per_token
-from vllm_trn_plugin.loaders.mxfp4 import BLOCK_SIZE, CT_PACKED_SUFFIX, CT_SCALE_SUFFIX, CheckpointFormatError
+from vllm_trn_plugin.loaders.io import SHARD_BYTES, Checkpoint, CheckpointFormatError, ShardWriter
+from vllm_trn_plugin.loaders.mxfp4 import (
+    BLOCK_SIZE,
+    E8M0_BIAS,
+    limit_spread,
+    pack_codes,
+    quantize_codes,
+    round_to_grid,
+    rtn_exponents,
+)
 from vllm_trn_plugin.loaders.packed import (
     DEFAULT_MATRIX_PATTERN,
     LM_HEAD,
-    SHARD_BYTES,
-    _ShardWriter,
     quantization_config,
-    quantize_fp8_rows,
+    write_fp8_lm_head,
+    write_mxfp4,
 )
 from vllm_trn_plugin.tools.afmoe_forward import (
     MLP_CHUNK_TOKENS,
-    Checkpoint,
     Geometry,
-    LayerMeter,
+    ToolReport,
+    ToolRun,
     attention_residual,
     attention_weights,
-    embed,
     layer_prefix,
     mlp_forward,
     rms_norm,
     route,
 )
-from vllm_trn_plugin.tools.calibration import load_calibration
-from vllm_trn_plugin.tools.convert_mla import _prepare_dst, _progress, copy_side_files
-from vllm_trn_plugin.tools.gptq import gptq, limit_spread, pack_codes, quantize_codes, round_to_grid, rtn_exponents
+from vllm_trn_plugin.tools.gptq import gptq
 
 __all__ = ["QuantizeOptions", "QuantizeReport", "quantize"]
 
@@ -85,19 +87,13 @@ class QuantizeOptions:
     measure: bool = False  # also compute each layer's MLP output error against the unquantized MLP
 
 
-@dataclass
-class QuantizeReport:
-    dst: Path
-    calib_tokens: int
+@dataclass(kw_only=True)
+class QuantizeReport(ToolReport):
     gptq: list[str] = field(default_factory=list)  # MXFP4 module names solved by GPTQ
     rtn: list[str] = field(default_factory=list)  # RTN fallback (too few tokens) or RTN everywhere
     expert_tokens: dict[int, list[int]] = field(default_factory=dict)  # layer -> calibration tokens per expert
     layer_error: dict[int, float] = field(default_factory=dict)  # with `measure`: relative MLP output MSE
     fp8: list[str] = field(default_factory=list)
-    shards: list[str] = field(default_factory=list)
-    layer_seconds: dict[int, float] = field(default_factory=dict)
-    layer_peak_rss: dict[int, int] = field(default_factory=dict)  # bytes, the process's peak during the layer
-    seconds: float = 0.0
 
 
 @dataclass
@@ -143,7 +139,7 @@ class _Layer:
     """Quantizes the MLP units of one layer and accumulates their served output."""
 
     def __init__(
-        self, ckpt: Checkpoint, writer: _ShardWriter, opts: QuantizeOptions, report: QuantizeReport, x: torch.Tensor
+        self, ckpt: Checkpoint, writer: ShardWriter, opts: QuantizeOptions, report: QuantizeReport, x: torch.Tensor
     ) -> None:
         self.ckpt, self.writer, self.opts, self.report = ckpt, writer, opts, report
         self.x = _Inputs(x.split(MLP_CHUNK_TOKENS), opts.fp8_activations)
@@ -220,12 +216,11 @@ class _Layer:
         return q, exp, bias
 
     def _write(self, module: str, q: torch.Tensor, exp: torch.Tensor, bias: torch.Tensor) -> None:
-        self.writer.add(module + CT_PACKED_SUFFIX, pack_codes(quantize_codes(q, exp)))
-        self.writer.add(module + CT_SCALE_SUFFIX, (exp + 127).to(torch.uint8))
-        self.writer.add(module + ".bias", bias.contiguous())
+        codes = pack_codes(quantize_codes(q, exp, exact=True))
+        write_mxfp4(self.writer, module, codes, (exp + E8M0_BIAS).to(torch.uint8), bias)
 
 
-def _check_source(ckpt: Checkpoint) -> None:
+def _check_source(ckpt: Checkpoint, geo: Geometry) -> None:
     where = str(ckpt.config_path)
     if ckpt.config.get("quantization_config"):
         raise ValueError(f"{where}: field 'quantization_config' is set: quantize needs an unquantized checkpoint")
@@ -272,33 +267,21 @@ def quantize(
     progress: bool = True,
 ) -> QuantizeReport:
     """Write the packed (MXFP4 + bias, FP8 head) checkpoint of an unquantized AFMoE / MLA-Trinity checkpoint."""
-    t0 = time.perf_counter()
-    src, dst = Path(src_dir), Path(dst_dir)
     opts = options
-    with ExitStack() as stack:
-        ckpt = Checkpoint(src, stack)
-        geo = Geometry.from_config(ckpt.config, str(ckpt.config_path))
-        _check_source(ckpt)
-        tokens = load_calibration(
-            calib, tokenizer_dir=src, num_tokens=calib_tokens, seq_len=seq_len, vocab_size=geo.vocab
-        )
-        _prepare_dst(src, dst)
-        report = QuantizeReport(dst=dst, calib_tokens=tokens.numel())
-        writer = _ShardWriter(dst, shard_bytes)
+    run = ToolRun("quantize", src_dir, dst_dir, _check_source, calib, calib_tokens, seq_len, shard_bytes, progress)
+    with run:
+        ckpt, geo, writer = run.ckpt, run.geo, run.writer
+        report = QuantizeReport(dst=run.dst, calib_tokens=run.tokens.numel())
         for name in ckpt.entries:
             if name.startswith("model.layers."):
                 continue
             if lm_head and name == LM_HEAD + ".weight":
-                q, s = quantize_fp8_rows(ckpt.get(name))
-                writer.add(name, q)
-                writer.add(LM_HEAD + CT_SCALE_SUFFIX, s.unsqueeze(-1))
+                write_fp8_lm_head(writer, ckpt.get(name), ckpt.where(name))
                 report.fp8.append(LM_HEAD)
             else:
                 writer.add(name, ckpt.get(name))
-        h = embed(geo, ckpt, tokens)
-        bar = _progress(geo.num_layers, "quantize", progress)
-        for i in range(geo.num_layers):
-            meter = LayerMeter()
+        h = run.hidden_states()
+        for i in run.layers(report):
             p = layer_prefix(i)
             w = attention_weights(ckpt, geo, i)
             h = attention_residual(geo, i, w, h)
@@ -318,22 +301,13 @@ def quantize(
             if opts.measure:
                 ref = mlp_forward(geo, i, ckpt, x)
                 report.layer_error[i] = float((layer.out - ref).pow(2).mean() / ref.pow(2).mean().clamp(min=1e-30))
-                bar.set_postfix(layer=i, mlp_err=f"{report.layer_error[i]:.2e}")
+                run.bar.set_postfix(layer=i, mlp_err=f"{report.layer_error[i]:.2e}")
             h = h + rms_norm(layer.out, w["post_mlp_layernorm"], geo.eps).view(h.shape)
             quantized = {n for n in ckpt.names(p) if re.fullmatch(DEFAULT_MATRIX_PATTERN, n.removesuffix(".weight"))}
             for name in ckpt.names(p):
                 if name not in quantized:
                     writer.add(name, ckpt.get(name))
             del layer, x, w
-            report.layer_seconds[i], report.layer_peak_rss[i] = meter.stop()
-            bar.update(1)
-        bar.close()
-        report.shards = writer.finish()
-    config = dict(ckpt.config)
-    config["quantization_config"] = quantization_config(
-        [f"re:^(?:{DEFAULT_MATRIX_PATTERN})$"], fp8_lm_head=bool(report.fp8)
-    )
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    copy_side_files(src, dst)
-    report.seconds = time.perf_counter() - t0
+        qc = quantization_config([f"re:^(?:{DEFAULT_MATRIX_PATTERN})$"], fp8_lm_head=bool(report.fp8))
+        run.finish(report, {**ckpt.config, "quantization_config": qc})
     return report
