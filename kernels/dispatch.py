@@ -19,7 +19,6 @@ in-place aliasing of the cache and state writes).
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +28,7 @@ import torch
 from vllm_trn_plugin import envs
 from vllm_trn_plugin.kernels.fp8_expert import ExpertWeights
 from vllm_trn_plugin.kernels.fp8_expert import fp8_experts as fp8_experts_torch
-from vllm_trn_plugin.kernels.latent_decode import latent_decode_torch
+from vllm_trn_plugin.kernels.latent_decode import AbsorbedWeights, PagedLatents, latent_decode_torch
 from vllm_trn_plugin.kernels.simple_gla import simple_gla_decode_step
 
 Runner = Callable[[Any], Callable[..., Any]]
@@ -67,26 +66,65 @@ def _kernel_wrapper(op: str, wrapper: str) -> Callable[..., torch.Tensor]:
     return getattr(importlib.import_module(f"vllm_trn_plugin.kernels.{op}_nki"), wrapper)
 
 
-def _dispatched(torch_path: Callable[..., torch.Tensor], op: str, wrapper: str) -> Callable[..., torch.Tensor]:
-    """The op with `torch_path`'s signature and docstring: `torch_path(*args)`, or, when a kernel runner is chosen
-    for the first argument's device, `<op>_nki.<wrapper>(*args, runner)`."""
-
-    @functools.wraps(torch_path)
-    def run(*args: Any) -> torch.Tensor:
-        runner = kernel_runner(args[0].device)
-        if runner is None:
-            return torch_path(*args)
-        return _kernel_wrapper(op, wrapper)(*args, runner)
-
-    return run
+# The three decode ops as torch custom ops (namespace `trn`): a compiled graph holds each as one node, with a fake
+# implementation for tracing and the cache or state it writes declared as mutated, so that under torch.compile the
+# write lands in the caller's tensor (functionalization writes the op's result back into it).
 
 
-# Laplace's recurrent decode step; the state pool is updated in place.
-gla_decode_step = _dispatched(simple_gla_decode_step, "simple_gla", "gla_decode_nki")
-# MLA-Trinity's absorbed latent decode: one query per sequence, [B, H, hd] fp32.
-latent_decode = _dispatched(latent_decode_torch, "latent_decode", "latent_decode_nki")
+@torch.library.custom_op("trn::gla_decode_step", mutates_args=("state_pool",))
+def gla_decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    aug: torch.Tensor,
+    log_decay: torch.Tensor,
+    scale: float,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Laplace's recurrent decode step (simple_gla.simple_gla_decode_step): o [B, H, dv] in q's dtype; the state of
+    row b, `state_pool[slots[b]]`, is updated in place; a slot < 0 is a padding row (state untouched, output 0)."""
+    runner = kernel_runner(q.device)
+    if runner is None:
+        return simple_gla_decode_step(q, k, v, aug, log_decay, scale, state_pool, slots)
+    return _kernel_wrapper("simple_gla", "gla_decode_nki")(q, k, v, aug, log_decay, scale, state_pool, slots, runner)
 
 
+@gla_decode_step.register_fake
+def _(q, k, v, aug, log_decay, scale, state_pool, slots):  # noqa: ANN001, ANN202
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+
+
+@torch.library.custom_op("trn::latent_decode", mutates_args=())
+def latent_decode(
+    q: torch.Tensor,
+    gamma: torch.Tensor,
+    w_k: torch.Tensor,
+    w_v: torch.Tensor,
+    cache: torch.Tensor,
+    key_scales: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    block_size: int,
+) -> torch.Tensor:
+    """MLA-Trinity's absorbed latent decode (latent_decode.py): one query per sequence, [B, H, hd] fp32, from the
+    layer's `AbsorbedWeights` (gamma, w_k, w_v, scale) and the batch's `PagedLatents` (cache, key_scales,
+    block_table, seq_lens >= 1, block_size)."""
+    w = AbsorbedWeights(gamma, w_k, w_v, scale)
+    h = PagedLatents(cache, key_scales, block_table, seq_lens, block_size)
+    runner = kernel_runner(q.device)
+    if runner is None:
+        return latent_decode_torch(q, w, h)
+    return _kernel_wrapper("latent_decode", "latent_decode_nki")(q, w, h, runner)
+
+
+@latent_decode.register_fake
+def _(q, gamma, w_k, w_v, cache, key_scales, block_table, seq_lens, scale, block_size):  # noqa: ANN001, ANN202
+    return q.new_empty(q.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("trn::fp8_experts", mutates_args=())
 def fp8_experts(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -99,12 +137,21 @@ def fp8_experts(
     b2: torch.Tensor,
     all_local: bool,
 ) -> torch.Tensor:
-    """MLA-Trinity's routed FP8 experts (fp8_expert.fp8_experts), with the flat tensor arguments of the custom op
-    model_executors/mxfp4_fp8.py registers. A stack held in bf16 (the VLLM_TRN_ALLOW_BF16 opt-in) always takes
-    the torch path: the kernel is FP8 x FP8 only. `all_local` False (expert parallelism): ids < 0 name other
-    ranks' experts."""
+    """MLA-Trinity's routed experts (fp8_expert.fp8_experts): x.dtype [T, H]. Which experts run depends on the
+    routing, so the op chooses them itself. A stack held in bf16 or the model dtype (the VLLM_TRN_ALLOW_BF16 opt-in,
+    or unquantized experts under the Beta contract) always takes the torch path: the kernel is FP8 x FP8 only.
+    `all_local` False (expert parallelism): ids < 0 name other ranks' experts."""
     experts = ExpertWeights(w13, s13, b13, w2, s2, b2)
     runner = kernel_runner(x.device)
     if runner is None or not experts.fp8:
         return fp8_experts_torch(x, topk_weights, topk_ids, experts)
     return _kernel_wrapper("fp8_expert", "fp8_experts_nki")(x, topk_weights, topk_ids, experts, runner, all_local)
+
+
+@fp8_experts.register_fake
+def _(x, topk_weights, topk_ids, w13, s13, b13, w2, s2, b2, all_local):  # noqa: ANN001, ANN202
+    return torch.empty_like(x)
+
+
+# The op names as vLLM's compilation config writes them (splitting ops).
+KERNEL_OPS = ("trn::gla_decode_step", "trn::latent_decode", "trn::fp8_experts")

@@ -226,6 +226,18 @@ def causal_conv1d_prefill(
     return F.silu(y), src[row(torch.arange(N, device=dev)[:, None], tail)].to(conv_state.dtype)
 
 
+def causal_conv1d_window_step(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, window: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One conv step per row from its window of earlier inputs: x [B, D], window [B, W-1, D].
+    Returns (SiLU(conv) [B, D] in x's dtype, the next window [B, W-1, D] in window's dtype)."""
+    full = torch.cat([window.to(x.dtype), x[:, None, :]], 1)  # [B, W, D]
+    y = torch.einsum("bwd,dw->bd", full, weight.to(x.dtype))
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return F.silu(y), full[:, 1:].to(window.dtype)
+
+
 def causal_conv1d_step(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_pool: torch.Tensor, slots: torch.Tensor
 ) -> torch.Tensor:
@@ -236,10 +248,84 @@ def causal_conv1d_step(
     """
     valid = slots >= 0
     idx = torch.where(valid, slots, 0).long()
-    window = torch.cat([conv_pool[idx].to(x.dtype), x[:, None, :]], 1)  # [B, W, D]
-    y = torch.einsum("bwd,dw->bd", window, weight.to(x.dtype))
-    if bias is not None:
-        y = y + bias.to(x.dtype)
+    y, window = causal_conv1d_window_step(x, weight, bias, conv_pool[idx])
     keep = valid.nonzero().squeeze(1)
-    conv_pool.index_copy_(0, idx[keep], window[keep, 1:].to(conv_pool.dtype))
-    return torch.where(valid[:, None], F.silu(y), 0.0)
+    conv_pool.index_copy_(0, idx[keep], window[keep])
+    return torch.where(valid[:, None], y, 0.0)
+
+
+# --- one padded sequence, static shapes ---
+# A compiled graph (one per input bucket) sees a sequence padded to the bucket's length T with its real length as a
+# 0-d tensor: these forms mask on device what depends on it and read nothing back to the host.
+
+
+def simple_gla_prefill_padded(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    aug: torch.Tensor,
+    log_decay: torch.Tensor,
+    scale: float,
+    length: torch.Tensor,
+    initial_state: torch.Tensor,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked Simple GLA over one sequence whose first `length` of T tokens are real (0-d integer tensor).
+
+    q, k: [T, H, dk]; v: [T, H, dv]; initial_state: [H, dk, dv] fp32. Returns (o [T, H, dv] in q's dtype, the
+    state after the real tokens [H, dk, dv] fp32); rows of o at padded positions are not meaningful. The math of
+    `simple_gla_chunked_prefill` with the chunk count fixed by T: padded tokens' keys and values are zero and each
+    chunk hands on the state after its last real token (chunk length L = clamp(length - c * C, 0, C); a chunk of
+    padding hands its state on unchanged).
+    """
+    out_dtype = q.dtype
+    T, H, dk = q.shape
+    dv = v.shape[-1]
+    C = chunk_size
+    NC = -(-T // C)
+    dev = q.device
+    ld = log_decay.to(dev, torch.float32)
+    real = torch.arange(T, device=dev) < length
+    qf = q.float()
+    kf = torch.where(real[:, None, None], k.float(), 0.0)
+    vf = torch.where(real[:, None, None], v.float(), 0.0)
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [T, H, d] -> [NC, H, C, d], zeros past T
+        return F.pad(x, (0, 0, 0, 0, 0, NC * C - T)).view(NC, C, H, x.shape[-1]).transpose(1, 2)
+
+    qp, kp, vp = chunks(qf), chunks(kf), chunks(vf)
+    idx = torch.arange(C, device=dev, dtype=torch.float32)
+    diff = idx[:, None] - idx[None, :]
+    D = torch.where(diff >= 0, torch.exp(diff.clamp(min=0) * ld[:, None, None]), 0.0)  # [H, C, C]
+    o = (qp @ kp.transpose(-1, -2)).mul_(D) @ vp  # [NC, H, C, dv]
+
+    L = (length - torch.arange(NC, device=dev) * C).clamp(0, C)  # real tokens per chunk
+    steps_to_end = (L[:, None] - 1 - idx).clamp(min=0)  # [NC, C]
+    w = torch.where((idx < L[:, None])[:, None, :], torch.exp(steps_to_end[:, None, :] * ld[:, None]), 0.0)
+    states = (kp * w[..., None]).transpose(-1, -2) @ vp  # each chunk's own contribution, [NC, H, dk, dv]
+    chunk_decay = torch.exp(L[:, None].float() * ld)[..., None, None]  # lambda^L, [NC, H, 1, 1]
+    S = initial_state.to(dev, torch.float32)
+    starts = []
+    for c in range(NC):  # the chunk count is part of the graph's shape
+        starts.append(S)
+        S = chunk_decay[c] * S + states[c]
+    S0 = torch.stack(starts)  # the state each chunk starts from
+    qd = qp * torch.exp((idx + 1)[:, None] * ld).t()[..., None]  # lambda^(i+1) q_i
+    o = o + qd @ S0
+    o_tok = o.transpose(1, 2).reshape(NC * C, H, dv)[:T]
+    o_tok = o_tok * scale + _self_augmentation(qf, kf, vf, aug.float())
+    return o_tok.to(out_dtype), S
+
+
+def causal_conv1d_prefill_padded(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, length: torch.Tensor, conv_state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU over one sequence whose first `length` of T tokens are real, continuing from
+    conv_state [W-1, D] (zeros for a new sequence): (y [T, D], the window after the real tokens [W-1, D]).
+    Padded tokens come after the real ones, so no real output sees them; the new window is gathered at positions
+    computed from `length`, reaching into the old window when the sequence is shorter than W-1."""
+    D, W = weight.shape
+    src = torch.cat([conv_state.to(x.dtype), x])  # row W-1+t is token t
+    y = F.conv1d(src.t()[None], weight[:, None, :].to(x.dtype), None if bias is None else bias.to(x.dtype), groups=D)
+    tail = src.index_select(0, length + torch.arange(W - 1, device=x.device))
+    return F.silu(y[0].t()), tail.to(conv_state.dtype)

@@ -126,7 +126,7 @@ class LaplaceMixer(MambaBase, nn.Module):
             return
         assert isinstance(meta, GLAStateMetadata)
         T, nd = meta.num_actual_tokens, meta.num_decode_tokens
-        H, dk, dv = self.num_heads, self.head_k_dim, self.head_v_dim
+        H, dv = self.num_heads, self.head_v_dim
         gla_pool, conv_pool = self.kv_cache
         conv_w, conv_b = self.conv1d.weight[:, 0, :], self.conv1d.bias
 
@@ -143,8 +143,7 @@ class LaplaceMixer(MambaBase, nn.Module):
             init_conv = torch.where(keep, conv_pool[slots], 0)
             x[nd:], new_conv = causal_conv1d_prefill(h[nd:T], conv_w, conv_b, meta.prefill_cu_seqlens, init_conv)
 
-        q, k, v, g = self.qkvg_proj(x)[0].split([H * dk, H * dk, H * dv, H * dv], dim=-1)
-        q, k, v = q.view(T, H, dk), k.view(T, H, dk), v.view(T, H, dv)
+        q, k, v, g = self.project(x)
         o = torch.empty(T, H, dv, dtype=h.dtype, device=h.device)
         aug, log_decay = self.aug_balance, self.log_decay
         if meta.num_decodes:
@@ -159,11 +158,21 @@ class LaplaceMixer(MambaBase, nn.Module):
             gla_pool[slots] = final_state
             conv_pool[slots] = new_conv
 
+        output[:T] = self.gated_output(o, g).to(output.dtype)
+        output[T:] = 0
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection of the conv output x [T, D]: q, k [T, H, dk], v [T, H, dv], g [T, H * dv]."""
+        H, dk, dv = self.num_heads, self.head_k_dim, self.head_v_dim
+        q, k, v, g = self.qkvg_proj(x)[0].split([H * dk, H * dk, H * dv, H * dv], dim=-1)
+        return q.view(-1, H, dk), k.view(-1, H, dk), v.view(-1, H, dv), g
+
+    def gated_output(self, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """SiLU(g) * HeadRMSNorm_tier(o), fp32 [T, H * dv], the input of o_proj."""
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.head_norm_eps)
         of = of * self.head_norm.weight.float().repeat_interleave(self.heads_per_tier, 0)
-        output[:T] = (F.silu(g.float()) * of.reshape(T, H * dv)).to(output.dtype)
-        output[T:] = 0
+        return F.silu(g.float()) * of.reshape(o.shape[0], -1)
 
 
 def _laplace_mixer_op(hidden_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:

@@ -20,6 +20,7 @@ managed by vLLM's full-attention block manager beside the sliding-window groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,7 +43,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
 
 from vllm_trn_plugin.kernels import dispatch
-from vllm_trn_plugin.kernels.latent_decode import AbsorbedWeights, PagedLatents, gather_blocks
+from vllm_trn_plugin.kernels.latent_decode import gather_blocks
 
 # Under vLLM's logger tree: vLLM configures only that one, so an INFO line elsewhere is dropped.
 logger = init_logger(f"vllm.{__name__}")
@@ -146,6 +147,14 @@ class LatentAttentionBackend(AttentionBackend):
     def get_builder_cls() -> type[LatentMetadataBuilder]:
         return LatentMetadataBuilder
 
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
+    ) -> tuple[int, ...]:
+        """One latent row (head_size = kv_lora_rank) per slot. vLLM 0.24's runner asks the backend for this shape;
+        later versions take it from the layer's MLAAttentionSpec."""
+        return (num_blocks, block_size, head_size)
+
 
 class TrinityLatentAttention(nn.Module, AttentionLayerBase):
     """Gated GQA attention whose keys and values come from a cached r-wide latent (no RoPE).
@@ -184,8 +193,8 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         self.o_proj = RowParallelLinear(H * hd, config.hidden_size, bias=False, prefix=f"{prefix}.o_proj")
         self.q_norm = RMSNorm(hd, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps)
-        self.kv_cache = torch.tensor([])
         self.key_scales: torch.Tensor | None = None  # [cache rows, Hkv] fp32, beside kv_cache
+        self.kv_cache = torch.tensor([])
         self._kv_weights_key: tuple[int, int] | None = None
 
         ctx = get_current_vllm_config().compilation_config.static_forward_context
@@ -208,13 +217,22 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         T = hidden_states.shape[0]
-        q = self.q_proj(hidden_states)[0].view(T, self.num_heads, self.head_dim)
-        q = self.q_norm(q)
-        latent = self.kv_a_proj(hidden_states)[0]
+        q, latent = self.project(hidden_states)
         out = torch.empty(T, self.num_heads * self.head_dim, dtype=hidden_states.dtype, device=hidden_states.device)
         torch.ops.vllm.trn_latent_attention(q, latent, out, self.prefix)
-        gate = self.gate_proj(hidden_states)[0]
-        return self.o_proj(out * torch.sigmoid(gate))[0]
+        return self.gated_output(out, hidden_states)
+
+    # --- the layer's pieces (also the Beta contract's static step, vllm_trn_plugin/neuron/trinity_mla.py) ---
+
+    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries after q_norm [T, H, hd] and the latents [T, r] of hidden states [T, D]."""
+        T = hidden_states.shape[0]
+        q = self.q_norm(self.q_proj(hidden_states)[0].view(T, self.num_heads, self.head_dim))
+        return q, self.kv_a_proj(hidden_states)[0]
+
+    def gated_output(self, out: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The layer's output from the attention output [T, H * hd]: sigmoid-gated, then o_proj (all-reduced)."""
+        return self.o_proj(out * torch.sigmoid(self.gate_proj(hidden_states)[0]))[0]
 
     def _load_kv_b_proj(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """The checkpoint's kv_b_proj ([keys of all KV heads; their values], r columns): this rank's heads' rows."""
@@ -228,14 +246,18 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         param.data.copy_(heads.reshape(param.shape))
 
     # --- the cached part, run eagerly inside the custom op ---
+    def kv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_k, W_v as fp32 [Hkv, hd, r] (views of kv_b_proj's rows; converted on every call when it is not fp32)."""
+        Hkv, hd, r = self.num_kv_heads, self.head_dim, self.kv_lora_rank
+        wf = self.kv_b_proj.weight.detach().float()
+        return wf[: Hkv * hd].view(Hkv, hd, r), wf[Hkv * hd :].view(Hkv, hd, r)
+
     def _kv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_k, W_v as fp32 [Hkv, hd, r], converted once per weight version (not on every decode step)."""
+        """`kv_weights`, converted once per weight version (not on every decode step)."""
         w = self.kv_b_proj.weight
         key = (w.data_ptr(), w._version)
         if self._kv_weights_key != key:
-            Hkv, hd, r = self.num_kv_heads, self.head_dim, self.kv_lora_rank
-            wf = w.detach().float()
-            self._kv_weights_fp32 = (wf[: Hkv * hd].view(Hkv, hd, r), wf[Hkv * hd :].view(Hkv, hd, r))
+            self._kv_weights_fp32 = self.kv_weights()
             self._kv_weights_key = key
         return self._kv_weights_fp32
 
@@ -243,13 +265,24 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         """s_g,i = 1 / rms(W_k,g c_i) for latents c [n, r]: [n, Hkv] fp32."""
         return torch.rsqrt(torch.einsum("nr,gdr->ngd", c.float(), Wk).pow(2).mean(-1) + self.eps)
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, kv_cache: torch.Tensor) -> None:
         """vLLM's latent cache for this layer, and the key-scale store beside it, allocated here so that it is in
         memory from start-up (its bytes come out of the cache budget: `reserve_key_scale_budget`). NaN: a read
-        of a slot never written shows."""
-        self.kv_cache = kv_cache
+        of a slot never written shows. A setter, not only `bind_kv_cache`: vLLM 0.24's runner assigns the cache
+        (later versions call bind_kv_cache, and assign an empty tensor to unbind)."""
+        if self.__dict__.get("_kv_cache") is kv_cache:
+            return
+        self.__dict__["_kv_cache"] = kv_cache
         rows = kv_cache.numel() // self.kv_lora_rank
-        self.key_scales = torch.full((rows, self.num_kv_heads), float("nan"), device=kv_cache.device)
+        self.key_scales = torch.full((rows, self.num_kv_heads), float("nan"), device=kv_cache.device) if rows else None
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
 
     def attend(self, q: torch.Tensor, latent: torch.Tensor, output: torch.Tensor) -> None:
         meta = get_forward_context().attn_metadata
@@ -276,8 +309,15 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         if nd:
             decoded = dispatch.latent_decode(
                 q[:nd],
-                AbsorbedWeights(self.k_norm.weight, Wk, Wv, self.scaling),
-                PagedLatents(cache, scales, meta.block_table[:nd], seq_lens[:nd], bs),
+                self.k_norm.weight,
+                Wk,
+                Wv,
+                cache,
+                scales,
+                meta.block_table[:nd],
+                seq_lens[:nd],
+                self.scaling,
+                bs,
             )
             out[:nd] = decoded.to(out.dtype)
         scale_blocks = scales.view(-1, bs, self.num_kv_heads)
@@ -292,19 +332,33 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
     def _prefill(
         self, q: torch.Tensor, c: torch.Tensor, s: torch.Tensor, Wk: torch.Tensor, Wv: torch.Tensor
     ) -> torch.Tensor:
+        """Causal GQA for the last q.shape[0] of the L positions whose latents c [L, r] and key scales s [L, Hkv]
+        are given (`rebuilt_attention` with a lower-right causal bias: torch's CPU flash kernel, no [H, n, L]
+        mask or score tensor in memory)."""
+        return self.rebuilt_attention(q, c, s, Wk, Wv, causal_lower_right(q.shape[0], c.shape[0]))
+
+    def rebuilt_attention(
+        self,
+        q: torch.Tensor,
+        c: torch.Tensor,
+        s: torch.Tensor,
+        Wk: torch.Tensor,
+        Wv: torch.Tensor,
+        attn_mask: torch.Tensor | Any,
+    ) -> torch.Tensor:
         """Rebuild K, V from latents c [L, r] and their stored key scales s [L, Hkv] (the values decode reads, so
-        both paths normalise a key identically, in fp32); causal GQA for the last q.shape[0] positions."""
-        n, L = q.shape[0], c.shape[0]
+        both paths normalise a key identically, in fp32), then GQA of the queries q [n, H, hd] over them under
+        `attn_mask` (a [n, L] bool mask, True = visible, or a torch attention bias): [n, H, hd] fp32. A key no query
+        sees must still be finite (its product is taken before the mask applies)."""
         cf = c.float()
         k = torch.einsum("lr,gdr->gld", cf, Wk) * s.t()[:, :, None] * self.k_norm.weight.float()  # [Hkv, L, hd]
         v = torch.einsum("lr,gdr->gld", cf, Wv)
-        # 4-D with enable_gqa and a lower-right causal bias: torch's CPU flash kernel, no [H, n, L]
-        # mask or score tensor in memory, no K/V repeated per q head.
+        # 4-D with enable_gqa: no K/V repeated per q head.
         o = torch.nn.functional.scaled_dot_product_attention(
             q.float().transpose(0, 1)[None],
             k[None],
             v[None],
-            attn_mask=causal_lower_right(n, L),
+            attn_mask=attn_mask,
             scale=self.scaling,
             enable_gqa=True,
         )

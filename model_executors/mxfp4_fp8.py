@@ -40,7 +40,6 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.linear import LinearMethodBase, RowParallelLinear
 from vllm.model_executor.utils import set_weight_attrs
-from vllm.utils.torch_utils import direct_register_custom_op
 
 from vllm_trn_plugin.envs import ALLOW_BF16, allow_bf16
 from vllm_trn_plugin.kernels import dispatch
@@ -300,7 +299,7 @@ class Fp8RowMoEMethod(FusedMoEMethodBase):
     ) -> torch.Tensor:
         if layer.expert_map is not None:  # expert parallelism: local ids, -1 for another rank's experts
             topk_ids = layer.expert_map[topk_ids.long()].to(topk_ids.dtype)
-        return torch.ops.vllm.trn_fp8_experts(
+        return dispatch.fp8_experts(
             x,
             topk_weights,
             topk_ids,
@@ -312,14 +311,6 @@ class Fp8RowMoEMethod(FusedMoEMethodBase):
             layer.w2_bias_correction,
             layer.expert_map is None,
         )
-
-
-def _fp8_experts_fake(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-# Opaque to torch.compile: which experts run depends on the data.
-direct_register_custom_op(op_name="trn_fp8_experts", op_func=dispatch.fp8_experts, fake_impl=_fp8_experts_fake)
 
 
 def packed_weights(

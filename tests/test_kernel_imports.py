@@ -26,7 +26,6 @@ import vllm_trn_plugin.model_executors.laplace  # noqa: F401
 import vllm_trn_plugin.model_executors.mxfp4_fp8  # noqa: F401
 import vllm_trn_plugin.model_executors.trinity_mla  # noqa: F401
 from vllm_trn_plugin.kernels import dispatch
-from vllm_trn_plugin.kernels.latent_decode import AbsorbedWeights, PagedLatents
 
 g = torch.Generator().manual_seed(0)
 fp8 = torch.float8_e4m3fn
@@ -41,11 +40,9 @@ def calls():
     )
     H, Hkv, hd, r, bs = 2, 1, 8, 128, 16
     latent = dispatch.latent_decode(
-        torch.randn(1, H, hd, generator=g),
-        AbsorbedWeights(torch.ones(hd), torch.randn(Hkv, hd, r, generator=g) / 16,
-                        torch.randn(Hkv, hd, r, generator=g) / 16, hd**-0.5),
-        PagedLatents(torch.randn(2 * bs, r, generator=g), torch.ones(2 * bs, Hkv), torch.tensor([[1, 0]]),
-                     torch.tensor([20]), bs),
+        torch.randn(1, H, hd, generator=g), torch.ones(hd), torch.randn(Hkv, hd, r, generator=g) / 16,
+        torch.randn(Hkv, hd, r, generator=g) / 16, torch.randn(2 * bs, r, generator=g), torch.ones(2 * bs, Hkv),
+        torch.tensor([[1, 0]]), torch.tensor([20]), hd**-0.5, bs,
     )
     E, Hd, I = 2, 256, 256
     experts = dispatch.fp8_experts(

@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.fakes.beta_runner import STEPS, BetaRunner, Request, runner_config
+from tests.fakes.beta_runner import STEPS, BetaRunner, Request, opaque_ops, runner_config
 from tests.helpers import count_calls, greedy_params, random_prompts, token_prompts
+from vllm_trn_plugin.kernels.dispatch import KERNEL_OPS
 from vllm_trn_plugin.neuron.contract import PAD_SLOT_ID
 
 pytestmark = pytest.mark.vllm
@@ -67,11 +68,11 @@ def _emulate_check(monkeypatch: pytest.MonkeyPatch, counters: dict[str, tuple[An
         calls = {k: count_calls(monkeypatch, mod, fn) for k, (mod, fn) in counters.items()}
         monkeypatch.setenv("VLLM_TRN_KERNELS", "emulate")
         t0 = time.perf_counter()
-        emulated = runner.model(**kwargs)
+        emulated = runner.step(kwargs)
         report["emulate_seconds"] = time.perf_counter() - t0
         restore(runner, saved)
         monkeypatch.setenv("VLLM_TRN_KERNELS", "torch")
-        torch_path = runner.model(**kwargs)
+        torch_path = runner.step(kwargs)
         restore(runner, saved)  # the step proper runs next, from the same state
         monkeypatch.undo()
         monkeypatch.setenv("VLLM_TRN_KERNELS", "torch")
@@ -87,9 +88,22 @@ def _emulate_check(monkeypatch: pytest.MonkeyPatch, counters: dict[str, tuple[An
     return check
 
 
+def check_compiled(runner: BetaRunner) -> None:
+    """What the Beta runner's compile needs, seen on the runner's graphs: one static graph per warmed bucket and
+    none since (every serving step ran under fail_on_recompile), every bucket the steps used among them, and
+    nothing in the graphs the compiler cannot see into but the declared kernel ops."""
+    assert len(runner.graphs) == len(runner.warmup_seconds), (len(runner.graphs), sorted(runner.warmup_seconds))
+    warmed = {key[:2] for key in runner.warmup_seconds}
+    assert {s for s in runner.padded_shapes if s[0] != "decode-ctx"} <= warmed, runner.padded_shapes
+    assert opaque_ops(runner.graphs, KERNEL_OPS) == {}
+
+
+@pytest.mark.parametrize("compile_backend", [None, "aot_eager"], ids=["eager", "compiled"])
 def test_laplace_through_beta_contract_equals_vllm(
-    laplace_ckpt: Path, laplace_llm: Any, worker: None, monkeypatch: pytest.MonkeyPatch
+    laplace_ckpt: Path, laplace_llm: Any, worker: None, monkeypatch: pytest.MonkeyPatch, compile_backend: str | None
 ) -> None:
+    """Laplace driven as the Beta runner drives it, eagerly and compiled (one graph per bucket, warmed up, then
+    no recompile): the same tokens as vLLM's engine; at one padded decode step the GLA kernel in the emulator."""
     from vllm_trn_plugin.kernels import simple_gla_nki
     from vllm_trn_plugin.neuron.laplace import LaplaceBetaModel
 
@@ -108,6 +122,7 @@ def test_laplace_through_beta_contract_equals_vllm(
         block_size=32,
         num_blocks=8,
         max_num_batched_tokens=512,
+        compile_backend=compile_backend,
     )
     report: dict[str, Any] = {}
     runner.emulate_check = _emulate_check(monkeypatch, {"gla": (simple_gla_nki, "gla_decode_nki")}, report)
@@ -121,13 +136,15 @@ def test_laplace_through_beta_contract_equals_vllm(
     assert report["emulate_max_logit_diff"] < 1e-4, report
     assert {("prefill", 128), ("prefill", 512), ("decode", 4), ("decode", 2), ("decode", 1)} <= runner.padded_shapes
     assert runner.stale_padded_rows > 0  # a padded row whose block-table row still names a live block
+    if compile_backend is not None:
+        check_compiled(runner)
     print(
-        f"\nLaplace via the Beta contract: {len(prompts)} prompts x {STEPS} tokens equal vLLM's; shapes "
-        f"{sorted(runner.padded_shapes)}; {runner.stale_padded_rows} padded rows with stale block tables; "
-        f"{runner.decode_steps} decode steps in {seconds:.1f} s (load {runner.load_seconds:.1f} s); "
-        f"emulated decode step {report['emulate_rows']}: "
-        f"{report['kernel_calls']} kernel calls, logits within {report['emulate_max_logit_diff']:.1e}, "
-        f"{report['emulate_seconds']:.1f} s"
+        f"\nLaplace via the Beta contract ({compile_backend or 'eager'}): {len(prompts)} prompts x {STEPS} tokens "
+        f"equal vLLM's; shapes {sorted(runner.padded_shapes)}; {runner.stale_padded_rows} padded rows with stale "
+        f"block tables; {runner.decode_steps} decode steps in {seconds:.1f} s (load {runner.load_seconds:.1f} s, "
+        f"{len(runner.graphs)} graphs warmed in {sum(runner.warmup_seconds.values()):.1f} s); emulated decode step "
+        f"{report['emulate_rows']}: {report['kernel_calls']} kernel calls, logits within "
+        f"{report['emulate_max_logit_diff']:.1e}, {report['emulate_seconds']:.1f} s"
     )
 
 
@@ -146,12 +163,13 @@ def trinity_ckpts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
 
 TRINITY_NC = {
     "num_seqs_buckets": [1, 2, 4],
-    "num_batched_tokens_buckets": [128, 256, 512],
+    "num_batched_tokens_buckets": [64, 128],
     "decode_context_length_buckets": [256],
 }
+TRINITY_MAX_TOKENS = 128  # a step's token budget: the 252-token prompt is prefilled in two segments
 
-
-TRINITY_PROMPTS = random_prompts(3, [7, 40, 150], seed=43)  # 150 > the sliding window (64)
+# 252 > the sliding window (64); its decode crosses from the 256 context bucket to max_model_len's (512)
+TRINITY_PROMPTS = random_prompts(3, [7, 40, 252], seed=43)
 TRINITY_ARRIVALS = [0, 0, 2]
 
 
@@ -177,15 +195,18 @@ def trinity_expected(trinity_ckpts: tuple[Path, Path]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in served]
 
 
+@pytest.mark.parametrize("compile_backend", [None, "aot_eager"], ids=["eager", "compiled"])
 def test_trinity_through_beta_contract_equals_vllm(
     trinity_ckpts: tuple[Path, Path],
     trinity_expected: list[list[int]],
     worker: None,
     monkeypatch: pytest.MonkeyPatch,
+    compile_backend: str | None,
 ) -> None:
-    """The float32 MLA checkpoint: vLLM and the adapter differ only in summation order, so every token must
-    agree. (On the packed checkpoint a long prompt can legitimately differ: FP8 activation rounding turns a
-    1e-7 difference into a ~0.1 logit jump, see tests/test_packed_vllm.py, and a near-tie then flips.)"""
+    """The float32 MLA checkpoint, eagerly and compiled (one graph per bucket, warmed up, then no recompile):
+    vLLM and the adapter differ only in summation order, so every token must agree. (On the packed checkpoint a
+    long prompt can legitimately differ: FP8 activation rounding turns a 1e-7 difference into a ~0.1 logit jump,
+    see tests/test_packed_vllm.py, and a near-tie then flips.)"""
     from vllm_trn_plugin.neuron.trinity_mla import TrinityMLABetaModel
 
     mla, _ = trinity_ckpts
@@ -199,7 +220,8 @@ def test_trinity_through_beta_contract_equals_vllm(
         TRINITY_NC,
         block_size=32,
         num_blocks=32,
-        max_num_batched_tokens=512,
+        max_num_batched_tokens=TRINITY_MAX_TOKENS,
+        compile_backend=compile_backend,
     )
     t0 = time.perf_counter()
     got = runner.generate([Request(p, a) for p, a in zip(prompts, TRINITY_ARRIVALS)])
@@ -208,24 +230,29 @@ def test_trinity_through_beta_contract_equals_vllm(
     for p, g, e in zip(prompts, got, expected):
         assert g == e, f"prompt of {len(p)} tokens: Beta contract {g}, vLLM {e}"
     assert {
+        ("prefill", 64),
         ("prefill", 128),
-        ("prefill", 256),
         ("decode", 4),
         ("decode", 2),
         ("decode-ctx", 256),
+        ("decode-ctx", 512),
     } <= runner.padded_shapes
+    if compile_backend is not None:
+        check_compiled(runner)
     print(
-        f"\nMLA-Trinity via the Beta contract: {len(prompts)} prompts x {STEPS} tokens equal vLLM's; shapes "
-        f"{sorted(runner.padded_shapes)}; {runner.decode_steps} decode steps in {seconds:.1f} s "
-        f"(load {runner.load_seconds:.1f} s)"
+        f"\nMLA-Trinity via the Beta contract ({compile_backend or 'eager'}): {len(prompts)} prompts x {STEPS} tokens "
+        f"equal vLLM's; shapes {sorted(runner.padded_shapes)}; {runner.decode_steps} decode steps in {seconds:.1f} s "
+        f"(load {runner.load_seconds:.1f} s, {len(runner.graphs)} graphs warmed in "
+        f"{sum(runner.warmup_seconds.values()):.1f} s: "
+        f"{ {k: round(v, 1) for k, v in runner.warmup_seconds.items()} })"
     )
 
 
 def test_trinity_kernels_in_emulator_through_beta_contract(
     trinity_ckpts: tuple[Path, Path], worker: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The packed checkpoint (FP8 experts), padded with the 0.21 convention (slot -1) this time: at the first
-    padded decode step the latent-decode and FP8-expert kernels run in the emulator."""
+    """The packed checkpoint (FP8 experts), compiled, padded with the 0.21 convention (slot -1) this time: at the
+    first padded decode step the compiled graph's latent-decode and FP8-expert ops run the kernels in the emulator."""
     from vllm_trn_plugin.kernels import fp8_expert_nki, latent_decode_nki
     from vllm_trn_plugin.neuron.trinity_mla import TrinityMLABetaModel
 
@@ -235,11 +262,12 @@ def test_trinity_kernels_in_emulator_through_beta_contract(
         TrinityMLABetaModel,
         packed,
         runner_config(packed, 512),
-        TRINITY_NC,
+        {"num_seqs_buckets": [4], "num_batched_tokens_buckets": [128], "decode_context_length_buckets": [256]},
         block_size=32,
         num_blocks=32,
-        max_num_batched_tokens=512,
+        max_num_batched_tokens=128,
         pad_slot=PAD_SLOT_ID,
+        compile_backend="aot_eager",
     )
     report: dict[str, Any] = {}
     counters = {"latent": (latent_decode_nki, "latent_decode_nki"), "fp8_experts": (fp8_expert_nki, "fp8_experts_nki")}
@@ -250,6 +278,7 @@ def test_trinity_kernels_in_emulator_through_beta_contract(
     assert report["kernel_calls"] == {"latent": 1, "fp8_experts": 3}, report  # 1 global layer, 3 MoE layers
     # FP8 activations: the kernel's fp32 accumulation order can flip one rounding (tests/test_kernels_vllm.py)
     assert report["emulate_max_logit_diff"] < 0.5, report
+    check_compiled(runner)
     print(
         f"\nMLA-Trinity (packed) via the Beta contract, emulated decode step {report['emulate_rows']}: "
         f"{report['kernel_calls']} kernel calls, greedy tokens equal, logits within "
@@ -281,7 +310,7 @@ def _trinity_tp_rank(rank: int, world: int, mla: str, init_file: str, out_dir: s
         TRINITY_NC,
         block_size=32,
         num_blocks=32,
-        max_num_batched_tokens=512,
+        max_num_batched_tokens=TRINITY_MAX_TOKENS,
         rank=rank,
     )
     got = runner.generate([Request(p, a) for p, a in zip(TRINITY_PROMPTS, TRINITY_ARRIVALS)])

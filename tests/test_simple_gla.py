@@ -36,10 +36,12 @@ from torch.utils._pytree import tree_leaves
 
 from vllm_trn_plugin.kernels.simple_gla import (
     causal_conv1d_prefill,
+    causal_conv1d_prefill_padded,
     causal_conv1d_step,
     geometric_log_decay,
     simple_gla_chunked_prefill,
     simple_gla_decode_step,
+    simple_gla_prefill_padded,
 )
 
 FP32_TOL = 1e-5
@@ -639,3 +641,63 @@ def test_conv_prefill_mixed_lengths_one_pass():
     ops_two = run((0, 5), (300, 2))
     ops_many = run((0, 1, 2, 0, 9) * 8, (300, 1, 2, 3, 64) * 8)
     assert ops_many == ops_two, f"{ops_many} ops for 40 sequences vs {ops_two} for 2"
+
+
+# --------------------------------------------------------------------------- one padded sequence (static shapes)
+
+
+@pytest.mark.parametrize("T", [128, 96, 300])
+def test_padded_prefill_matches_recurrence_for_every_real_length(T):
+    """A sequence padded to T tokens: output and state after its real tokens equal the float64 recurrence over those
+    tokens alone, whatever the padding holds, from a saved state."""
+    H, dk, dv = 3, 8, 16
+    q, k, v, aug, S0 = make_inputs([T], H, dk, dv, seed=90 + T)
+    lam = ref_lambda(H, 1.0, 64.0)
+    log_decay = geometric_log_decay(H, 1.0, 64.0)
+    for n in sorted({0, 1, 5, 127, 128, 129, T - 1, T} & set(range(T + 1))):
+        noisy = [t.clone() for t in (q, k, v)]
+        for t in noisy:
+            t[n:] = 1e3  # padding never reaches a real output or the state
+        o, S = simple_gla_prefill_padded(*noisy, aug, log_decay, 0.3, torch.tensor(n), S0[0])
+        o_ref, _, S_ref = ref_recurrence(q[:n], k[:n], v[:n], aug, lam, 0.3, S0[0])
+        assert_close(o[:n], o_ref.float(), FP32_TOL, f"padded prefill T={T} n={n} o")
+        assert_close(S, S_ref.float(), FP32_TOL, f"padded prefill T={T} n={n} state")
+
+
+@pytest.mark.parametrize("W", [2, 4])
+def test_padded_conv_prefill_matches_reference(W):
+    gen = torch.Generator().manual_seed(95 + W)
+    D, T = 12, 40
+    weight, bias = torch.randn(D, W, generator=gen), torch.randn(D, generator=gen)
+    for history, n in [(0, 1), (0, 40), (2, 1), (10, 17), (1, 2)]:
+        seq = torch.randn(history + n, D, generator=gen)
+        x = torch.cat([seq[history:], torch.full((T - n, D), 1e4)])
+        y, state = causal_conv1d_prefill_padded(x, weight, bias, torch.tensor(n), ref_conv_state(seq[:history], W))
+        assert_close(y[:n], ref_conv_silu(seq, weight, bias)[history:], FP32_TOL, f"padded conv W={W} n={n}")
+        torch.testing.assert_close(state, ref_conv_state(seq, W), rtol=0, atol=0)
+
+
+def test_padded_forms_compile_to_one_graph_for_every_length():
+    """Under torch.compile(fullgraph=True) one graph per padded length T serves every real length: no recompile,
+    and the compiled results equal the eager ones."""
+    import torch._dynamo
+
+    H, dk, dv, D, W, T = 2, 8, 16, 12, 4, 128
+    q, k, v, aug, S0 = make_inputs([T], H, dk, dv, seed=97)
+    log_decay = geometric_log_decay(H, 1.0, 64.0)
+    gen = torch.Generator().manual_seed(98)
+    x, weight, bias = torch.randn(T, D, generator=gen), torch.randn(D, W, generator=gen), torch.randn(D, generator=gen)
+    conv0 = torch.randn(W - 1, D, generator=gen)
+
+    def step(n: torch.Tensor):  # noqa: ANN202
+        o, S = simple_gla_prefill_padded(q, k, v, aug, log_decay, 0.3, n, S0[0])
+        y, c = causal_conv1d_prefill_padded(x, weight, bias, n, conv0)
+        return o, S, y, c
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    compiled(torch.tensor(1))  # warm-up
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for n in (0, 7, 127, 128):
+            for got, want in zip(compiled(torch.tensor(n)), step(torch.tensor(n))):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

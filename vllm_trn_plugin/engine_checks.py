@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")
 
 # Opaque ops whose work depends on runtime metadata or data (defined in model_executors/).
-STATEFUL_OPS = ("vllm::trn_laplace_mixer", "vllm::trn_latent_attention", "vllm::trn_fp8_experts")
+STATEFUL_OPS = ("vllm::trn_laplace_mixer", "vllm::trn_latent_attention", "trn::fp8_experts")
 
 
 def _add_splitting_ops(vllm_config: VllmConfig) -> None:

@@ -9,10 +9,16 @@ segments), decode batches padded to a `num_seqs_buckets` bucket (token 0, positi
 sampling positions padded with the last real index), block tables with the null block as -1, trimmed at decode to the
 sliding window (`swa_kv_pos_offset`) or to a `decode_context_length_buckets` bucket, and greedy sampling at
 `sampling_positions` (on-device for Laplace, on the host for MLA-Trinity). docs/trainium.md describes the contract.
+
+With `compile_backend`, as the runner's `load_model` and warm-up do: the model is compiled with
+`torch.compile(fullgraph=True, dynamic=False)` (one static graph per input shape), every bucket is warmed up with
+synthetic inputs of the runner's form, and every later step runs under `torch.compiler.set_stance("fail_on_recompile")`.
+Each graph the backend compiles is kept (`graphs`: the aten-level graph after functionalization).
 """
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +79,7 @@ class BetaRunner:
         max_num_batched_tokens: int,
         pad_slot: int = NULL_BLOCK_ID,
         rank: int = 0,
+        compile_backend: str | None = None,
     ) -> None:
         from vllm.config import set_current_vllm_config
 
@@ -92,6 +99,7 @@ class BetaRunner:
         self.kv_caches = self._initialize_kv_cache(self.model.get_kv_spec(), block_size, num_blocks)
         self.model.bind_kv_cache(self.kv_caches)
         self.rows: list[Request] = []  # the persistent batch, in row order
+        self.prefilling: list[Request] = []  # the request a prefill step runs
         self.tables = {
             g: torch.zeros(self.max_num_seqs, self._width(grp), dtype=torch.int32) for g, grp in self.groups.items()
         }
@@ -99,6 +107,16 @@ class BetaRunner:
         self.emulate_check: Any = None  # callable(runner, kwargs, n) run at the first padded decode step
         self.padded_shapes: set[tuple[str, int]] = set()
         self.stale_padded_rows = 0  # padded decode rows whose block-table row still names real blocks
+        self.forward: Any = self.model
+        self.graphs: list[Any] = []  # with compile_backend: the graphs compiled, in order
+        self.warmup_seconds: dict[tuple, float] = {}  # with compile_backend: each warmed bucket's first call
+        if compile_backend is not None:
+            self.forward = torch.compile(
+                self.model, backend=self._recording(compile_backend), fullgraph=True, dynamic=False
+            )
+            # The runner lifts dynamo's recompile limit (8 graphs per frame by default) for its bucket grid.
+            with torch._dynamo.config.patch(recompile_limit=2**62, accumulated_recompile_limit=2**62):
+                self.warm_up()
 
     # --- initialize_kv_cache ---
 
@@ -150,8 +168,51 @@ class BetaRunner:
             ids = req.blocks[name]
             table[row, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
 
+    def step(self, kwargs: dict[str, Any], stance: str = "fail_on_recompile") -> Any:
+        """One forward of the model as the runner's execute_model makes it: under inference mode and, compiled,
+        failing on any recompile (`model_forward_context`)."""
+        with torch.inference_mode(), torch.compiler.set_stance(stance if self.graphs else "default"):
+            return self.forward(**kwargs)
+
+    def _recording(self, backend: str) -> Any:
+        """`backend` at the aten level, keeping each graph it is handed (after AOT functionalization)."""
+        from torch._dynamo import lookup_backend
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        inner = lookup_backend(backend)
+
+        def record(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            self.graphs.append(gm)
+            return make_boxed_func(gm.forward) if backend == "aot_eager" else inner(gm, example_inputs)
+
+        return aot_autograd(fw_compiler=record) if backend == "aot_eager" else record
+
+    def warm_up(self) -> None:
+        """Every bucket once, with the runner's synthetic inputs (one prefill of each token bucket; one decode of
+        each width bucket at each context bucket), compiling its graph; timed per bucket."""
+        vocab = self.model.config.vocab_size  # the runner's token ids 1..T, within a small model's vocabulary
+        for T in self.nc.num_batched_tokens_buckets:
+            t0 = time.perf_counter()
+            self.step(self._prefill_kwargs([1 + t % (vocab - 1) for t in range(T)], 0, None), stance="default")
+            self.warmup_seconds[("prefill", T)] = time.perf_counter() - t0
+        contexts = [c - 1 for c in self.nc.decode_context_length_buckets or []] + [self.max_model_len - 1]
+        for P in self.nc.num_seqs_buckets:
+            for ctx in contexts:
+                kwargs = self._decode_kwargs([1] * P, torch.full((P,), ctx, dtype=torch.long), None)
+                t0 = time.perf_counter()
+                self.step(kwargs, stance="default")
+                self.warmup_seconds[("decode", P, ctx + 1)] = time.perf_counter() - t0
+
     def _run(self, kwargs: dict[str, Any], n: int) -> list[int]:
-        out = self.model(**kwargs)
+        owned = {
+            name: {b for req in self.rows + self.prefilling for b in req.blocks.get(name, [])} for name in self.groups
+        }
+        before = self._unowned_blocks(owned)
+        out = self.step(kwargs)
+        for key, blocks in self._unowned_blocks(owned).items():  # what a padded row must never write
+            if not torch.equal(blocks.view(torch.uint8), before[key].view(torch.uint8)):
+                raise AssertionError(f"{key}: a block no live request owns was written")
         if isinstance(out, tuple):  # on-device sampling: (tokens, logits or None)
             return out[0][:n].tolist()
         return out[:n].argmax(-1).tolist()  # the host sampler, all greedy
@@ -178,70 +239,52 @@ class BetaRunner:
     def prefill(self, req: Request) -> None:
         """One segment of one request (NeuronScheduler: one prefill per step, padded to its bucket)."""
         n = min(len(req.prompt) - req.computed, self.max_num_batched_tokens)
-        T = bucket_for_count(n, self.nc.num_batched_tokens_buckets)
-        self.padded_shapes.add(("prefill", T))
         start = req.computed
         self._ensure_blocks(req, start + n)
-        ids = torch.zeros(T, dtype=torch.int32)
-        ids[:n] = torch.tensor(req.prompt[start : start + n])
-        positions = torch.full((T,), start + n - 1, dtype=torch.long)  # pads repeat the last real position
-        positions[:n] = torch.arange(start, start + n)
-        metas = {}
-        for name in self.groups:
-            slots = torch.full((T,), self.pad_slot, dtype=torch.long)
-            slots[:n] = torch.tensor([self._slot(req, name, p) for p in range(start, start + n)])
-            table = torch.zeros(1, self.tables[name].shape[1], dtype=torch.int32)
-            table[0, : len(req.blocks[name])] = torch.tensor(req.blocks[name], dtype=torch.int32)
-            metas[name] = self._meta(name, table, slots, T, start)
-        kwargs = self._kwargs(ids, positions, metas, torch.tensor([n - 1]), rows=1)
+        kwargs = self._prefill_kwargs(req.prompt[start : start + n], start, req)
+        self.prefilling = [req]
+        self.padded_shapes.add(("prefill", kwargs["input_ids"].shape[0]))
         token = self._run(kwargs, 1)[0]
+        self.prefilling = []
         req.computed += n
         if req.computed == len(req.prompt):  # a finished prompt's last logit is the first output token
             req.out.append(token)
             self.rows.append(req)
             self._sync_table_row(len(self.rows) - 1, req)
 
+    def _prefill_kwargs(self, tokens: list[int], start: int, req: Request | None) -> dict[str, Any]:
+        """The forward arguments of a prefill of `tokens` at positions start.., padded to its token bucket; without a
+        request, the runner's synthetic warm-up inputs (slots and block ids counting up from 0)."""
+        n = len(tokens)
+        T = bucket_for_count(n, self.nc.num_batched_tokens_buckets)
+        ids = torch.zeros(T, dtype=torch.int32)
+        ids[:n] = torch.tensor(tokens)
+        positions = torch.full((T,), start + n - 1, dtype=torch.long)  # pads repeat the last real position
+        positions[:n] = torch.arange(start, start + n)
+        metas = {}
+        for name in self.groups:
+            table = torch.zeros(1, self.tables[name].shape[1], dtype=torch.int32)
+            slots = torch.full((T,), self.pad_slot, dtype=torch.long)
+            if req is None:
+                table[0] = torch.arange(table.shape[1])
+                slots = torch.arange(T)
+            else:
+                table[0, : len(req.blocks[name])] = torch.tensor(req.blocks[name], dtype=torch.int32)
+                slots[:n] = torch.tensor([self._slot(req, name, p) for p in range(start, start + n)])
+            metas[name] = self._meta(name, table, slots, T, start)
+        return self._kwargs(ids, positions, metas, torch.tensor([n - 1]), rows=1)
+
     def decode(self) -> None:
         n = len(self.rows)
-        P = bucket_for_count(n, self.nc.num_seqs_buckets)  # get_decode_padded_batch_size
-        self.padded_shapes.add(("decode", P))
-        ids = torch.zeros(P, dtype=torch.int32)
-        positions = torch.zeros(P, dtype=torch.long)
-        ctx = torch.zeros(P, dtype=torch.long)
         for r, req in enumerate(self.rows):
             self._ensure_blocks(req, req.computed + 1)
             self._sync_table_row(r, req)
-            ids[r], positions[r], ctx[r] = req.out[-1], req.computed, req.computed
+        ctx = torch.tensor([req.computed for req in self.rows])
+        kwargs = self._decode_kwargs([req.out[-1] for req in self.rows], ctx, self.rows)
+        P = kwargs["input_ids"].shape[0]
+        self.padded_shapes.add(("decode", P))
         first_table = next(iter(self.tables.values()))
         self.stale_padded_rows += int((first_table[n:P] != NULL_BLOCK_ID).any(dim=1).sum())
-        metas = {}
-        for name, g in self.groups.items():
-            slots = torch.full((P,), self.pad_slot, dtype=torch.long)
-            slots[:n] = torch.tensor([self._slot(req, name, req.computed) for req in self.rows])
-            table = self.tables[name][:P].clone()  # rows >= n: stale entries of departed requests
-            meta = self._meta(name, table, slots, 1, int(ctx.max()))
-            bs = g.block_size
-            if g.window is not None:  # _compute_swa_num_blocks / _compute_swa_decode_tensors
-                need = g.window // bs + 1
-                per = max(1, 128 // bs)
-                nblk = min(cdiv(need, per) * per, cdiv(self.max_model_len, bs))
-                start = torch.clamp(ctx // bs - nblk + 1, min=0)
-                gather = start[:, None] + torch.arange(nblk)[None, :]
-                meta["block_table_tensor"] = meta["block_table_tensor"].gather(1, gather)
-                meta["max_blocks_per_seq"] = nblk
-                meta["swa_kv_pos_offset"] = (start * bs).to(torch.int32)
-            elif not g.recurrent and self.nc.decode_context_length_buckets:  # _decode_ctx_blocks_from_...
-                bucket = bucket_for_count(
-                    int(ctx.max()) + 1, self.nc.decode_context_length_buckets + [self.max_model_len]
-                )
-                nblk = cdiv(bucket, bs)
-                meta["block_table_tensor"] = meta["block_table_tensor"].index_select(1, torch.arange(nblk))
-                meta["max_blocks_per_seq"] = nblk
-                meta["swa_kv_pos_offset"] = torch.zeros(P, dtype=torch.int32)
-                self.padded_shapes.add(("decode-ctx", bucket))
-            metas[name] = meta
-        sampling = torch.cat([torch.arange(n), torch.full((P - n,), n - 1)])
-        kwargs = self._kwargs(ids, positions, metas, sampling, rows=P)
         if self.emulate_check is not None and P > n > 1:
             self.emulate_check(self, kwargs, n)
             self.emulate_check = None
@@ -257,6 +300,48 @@ class BetaRunner:
                 g.free.extend(req.blocks.pop(name))
             for table in self.tables.values():
                 table[r:-1] = table[r + 1 :].clone()
+
+    def _decode_kwargs(self, tokens: list[int], ctx: torch.Tensor, rows: list[Request] | None) -> dict[str, Any]:
+        """The forward arguments of a decode of one token per row at positions `ctx`, padded to its width bucket;
+        without requests, the runner's synthetic warm-up inputs (every row live, slots and block ids from 0)."""
+        n = len(tokens)
+        P = bucket_for_count(n, self.nc.num_seqs_buckets)  # get_decode_padded_batch_size
+        ids = torch.zeros(P, dtype=torch.int32)
+        ids[:n] = torch.tensor(tokens)
+        positions = torch.zeros(P, dtype=torch.long)
+        positions[:n] = ctx
+        metas = {}
+        for name, g in self.groups.items():
+            if rows is None:
+                slots = torch.arange(P)
+                table = torch.arange(self.tables[name].shape[1], dtype=torch.int32).expand(P, -1).clone()
+            else:
+                slots = torch.full((P,), self.pad_slot, dtype=torch.long)
+                slots[:n] = torch.tensor([self._slot(req, name, req.computed) for req in rows])
+                table = self.tables[name][:P].clone()  # rows >= n: stale entries of departed requests
+            meta = self._meta(name, table, slots, 1, int(positions.max()))
+            bs = g.block_size
+            if g.window is not None:  # _compute_swa_num_blocks / _compute_swa_decode_tensors
+                need = g.window // bs + 1
+                per = max(1, 128 // bs)
+                nblk = min(cdiv(need, per) * per, cdiv(self.max_model_len, bs))
+                start = torch.clamp(positions // bs - nblk + 1, min=0)
+                gather = start[:, None] + torch.arange(nblk)[None, :]
+                meta["block_table_tensor"] = meta["block_table_tensor"].gather(1, gather)
+                meta["max_blocks_per_seq"] = nblk
+                meta["swa_kv_pos_offset"] = (start * bs).to(torch.int32)
+            elif not g.recurrent and self.nc.decode_context_length_buckets:  # _decode_ctx_blocks_from_...
+                buckets = self.nc.decode_context_length_buckets + [self.max_model_len]
+                bucket = bucket_for_count(int(positions.max()) + 1, buckets)
+                nblk = cdiv(bucket, bs)
+                meta["block_table_tensor"] = meta["block_table_tensor"].index_select(1, torch.arange(nblk))
+                meta["max_blocks_per_seq"] = nblk
+                meta["swa_kv_pos_offset"] = torch.zeros(P, dtype=torch.int32)
+                if rows is not None:
+                    self.padded_shapes.add(("decode-ctx", bucket))
+            metas[name] = meta
+        sampling = torch.cat([torch.arange(n), torch.full((P - n,), n - 1)])
+        return self._kwargs(ids, positions, metas, sampling, rows=P)
 
     def _kwargs(
         self, ids: torch.Tensor, positions: torch.Tensor, metas: dict, sampling: torch.Tensor, rows: int
@@ -288,6 +373,17 @@ class BetaRunner:
                 self.decode_steps = min(r.arrival for r in pending)
         return [r.out for r in requests]
 
+    def _unowned_blocks(self, owned: dict[str, set[int]]) -> dict[tuple[str, int], torch.Tensor]:
+        """Copies of every cache tensor's blocks (leading index) that neither a live request of the step owns nor
+        are the null block (where the runner points padding), per layer and tensor."""
+        out = {}
+        for name, g in self.groups.items():
+            for layer in g.layers:
+                for i, t in enumerate(self.kv_caches[layer]):
+                    keep = [b for b in range(1, t.shape[0]) if b not in owned[name]]
+                    out[(layer, i)] = t[keep].clone()
+        return out
+
     # --- the emulate check's cache snapshot ---
 
     def state_tensors(self) -> list[torch.Tensor]:
@@ -304,3 +400,25 @@ def runner_config(ckpt: Path, max_model_len: int, tp: int = 1) -> Any:
         model=str(ckpt), dtype="float32", max_model_len=max_model_len, enforce_eager=True, tensor_parallel_size=tp
     )
     return args.create_engine_config()
+
+
+def opaque_ops(graphs: list[Any], declared: tuple[str, ...]) -> dict[str, int]:
+    """Every op the compiled graphs call that the graph cannot see into, other than the `declared` kernel ops
+    ("trn::..."), with its count: anything not in aten or prims (Python custom ops such as vLLM's, CPU kernels of
+    vLLM's build, Python arithmetic on a value read off a tensor), and every host read of a device value
+    (`aten._local_scalar_dense`: what `.item()`, `int(t)` and `.tolist()` trace to). A mutating op appears wrapped
+    by functionalization; its wrapped op is what is judged."""
+    found: dict[str, int] = {}
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or node.target is operator.getitem:
+                continue
+            target = node.target
+            if isinstance(target, torch._ops.HigherOrderOperator) and target.name().startswith("auto_functionalized"):
+                target = node.args[0]
+            name = target.name() if isinstance(target, torch._ops.OpOverload) else str(target)
+            host_read = name.startswith("aten::_local_scalar_dense")
+            if (name.split("::")[0] in ("aten", "prims") and not host_read) or name in declared:
+                continue
+            found[name] = found.get(name, 0) + 1
+    return found

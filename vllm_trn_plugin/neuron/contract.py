@@ -21,17 +21,15 @@ of each. The data structures the runner and the model exchange are re-declared h
 
 How the adapter honours it: the model is the plugin's own vLLM model class (``model_executors/laplace.py``,
 ``model_executors/trinity_mla.py``), built with vLLM's ``initialize_model`` and loaded with vLLM's loader plus the
-model's own ``load_weights`` (so packed MXFP4 checkpoints and every load check behave as under vLLM). Each forward
-translates the Beta metadata into the metadata those layers already read from vLLM's forward context
-(``GLAStateMetadata``, ``LatentMetadata``) and runs the unchanged model under that context; the caches the layers
-read and write are the tensors the runner bound. Decode ops go through ``kernels/dispatch.py`` exactly as under
-vLLM (``VLLM_TRN_KERNELS``).
+model's own ``load_weights`` (so packed MXFP4 checkpoints and every load check behave as under vLLM). The forward is
+the adapter's own static ``step``: the model's layers called one by one, the cache and state reads and writes as
+graph ops over the runner's tensors, masked by which tokens are live, so that ``torch.compile(fullgraph=True)``
+captures each bucket whole. Decode ops are the torch custom ops of ``kernels/dispatch.py`` (``VLLM_TRN_KERNELS``
+chooses who computes at run time). docs/trainium.md, "Static graphs", says what the runner's compile needs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -105,77 +103,26 @@ class NeuronConfig:
 
 def is_decode(meta: dict[str, Any]) -> bool:
     """The runner's own test (``_build_attention_metadata``): a decode iff the longest query is within the
-    decode threshold (1 without speculative decoding)."""
+    decode threshold (1 without speculative decoding). Both are Python ints fixed per bucket: the choice is made
+    when the bucket's graph is traced."""
     return int(meta["max_query_len"]) <= int(meta["decode_token_threshold"])
 
 
-def _prefix_count(live: torch.Tensor, what: str) -> int:
-    """How many leading entries are live; the runner only ever pads at the end, so anything else is a bug."""
-    n = int(live.sum())
-    if not bool(live[:n].all()):
-        raise ValueError(f"{what}: padded entries are not all at the end ({live.int().tolist()})")
-    return n
+def live_tokens(meta: dict[str, Any]) -> torch.Tensor:
+    """[T] bool: the step's real tokens. Padding points at the null block (slot 0 at 0.24, -1 at 0.21) and no real
+    token maps into block 0; the runner pads at the end, so the real tokens are a prefix."""
+    return meta["slot_mapping"] > 0
 
 
-@dataclass(frozen=True)
-class StepPlan:
-    """What the padded step holds: ``live_rows`` real requests (the first rows), each with ``query_lens``
-    real tokens (the first tokens of its row) after ``context_lens`` cached ones. Host tensors (int64)."""
-
-    is_decode: bool
-    num_tokens: int  # padded token count (the compiled bucket)
-    rows: int  # padded rows of the block table
-    context_lens: torch.Tensor  # [live_rows]
-    query_lens: torch.Tensor  # [live_rows]
-
-    @property
-    def live_rows(self) -> int:
-        return int(self.context_lens.numel())
-
-    @property
-    def live_tokens(self) -> int:
-        return int(self.query_lens.sum())
-
-    def query_start_loc(self) -> torch.Tensor:
-        return torch.cat([torch.zeros(1, dtype=torch.long), self.query_lens.cumsum(0)])
-
-    def seq_lens(self) -> torch.Tensor:
-        return self.context_lens + self.query_lens
+def block_rows(meta: dict[str, Any]) -> torch.Tensor:
+    """The group's block table as int64 with the -1 sentinel sent back to the null block, for indexing: a
+    never-written or dead entry then reads block 0 and is masked by the caller."""
+    return meta["block_table_tensor"].long().clamp(min=NULL_BLOCK_ID)
 
 
-def plan_step(positions: torch.Tensor, meta: dict[str, Any]) -> StepPlan:
-    """Read a step's real extent off the padding the runner applied (host sync: the decisions here pick
-    which rows the model's layers touch).
-
-    A token is real iff its slot is > 0: padding points at the null block (0 at 0.24, -1 at 0.21) and no
-    live token maps into block 0. A decode row holds one token at ``positions[row]`` (its context
-    length); a prefill is one request whose context is ``cached_seq_len`` (= ``positions[0]``).
-    """
-    slots = meta["slot_mapping"].detach().to("cpu", torch.long)
-    T = int(positions.shape[0])
-    rows = int(meta["block_table_tensor"].shape[0])
-    if is_decode(meta):
-        if T != rows:
-            raise ValueError(
-                f"decode step: {T} tokens for {rows} block-table rows (speculative decoding is not supported)"
-            )
-        n = _prefix_count(slots[:rows] > 0, "decode slot_mapping")
-        ctx = positions[:n].detach().to("cpu", torch.long)
-        return StepPlan(True, T, rows, ctx, torch.ones(n, dtype=torch.long))
-    if rows != 1:
-        raise ValueError(f"prefill step with {rows} requests: the Beta scheduler runs one prefill per step")
-    n = _prefix_count(slots[:T] > 0, "prefill slot_mapping")
-    ctx = int(positions[0]) if n else 0
-    cached = meta.get("cached_seq_len")
-    if cached is not None and n and int(cached.reshape(-1)[0]) != ctx:
-        raise ValueError(f"prefill: cached_seq_len {int(cached.reshape(-1)[0])} but first position {ctx}")
-    return StepPlan(False, T, rows, torch.tensor([ctx]), torch.tensor([n]))
-
-
-def real_block_table(meta: dict[str, Any], rows: int) -> torch.Tensor:
-    """The first ``rows`` rows of the group's block table (int64), the -1 sentinel sent back to the null
-    block: the layers index with it, and a never-written block 0 reads as zeros, not as another block."""
-    return meta["block_table_tensor"][:rows].long().clamp(min=NULL_BLOCK_ID)
+def slot_rows(meta: dict[str, Any]) -> torch.Tensor:
+    """[T] int64: each token's cache row (``slot_mapping``); padded tokens' rows are in the null block (row 0)."""
+    return meta["slot_mapping"].long().clamp(min=NULL_BLOCK_ID)
 
 
 # --- the adapter ---
@@ -221,6 +168,9 @@ def _adapter_vllm_config(hf_config: Any) -> Any:
         enforce_eager=True,
         tensor_parallel_size=tp,
         skip_tokenizer_init=True,
+        # vLLM's custom layers (norms, rotary embedding, activations) in their plain torch form: the CPU build's
+        # own kernels are not what a device graph holds.
+        compilation_config={"custom_ops": ["none"]},
     )
     return args.create_engine_config()
 
@@ -228,8 +178,10 @@ def _adapter_vllm_config(hf_config: Any) -> Any:
 class BetaModelAdapter(nn.Module):
     """One of the plugin's vLLM models presented through the Beta contract.
 
-    Subclasses name the vLLM model class and translate, per forward, the Beta ``attn_metadata`` into the
-    per-layer metadata that model's layers read from vLLM's forward context.
+    The model's weights and layers are the plugin's vLLM model class, built and loaded as under vLLM. The forward
+    is the adapter's own (`step`, one per subclass): the same layers called one by one, with the parts that read and
+    write the caches and states written as graph ops over the runner's tensors, so that the runner's
+    ``torch.compile(fullgraph=True)`` captures each bucket's step whole.
     """
 
     vllm_model_path: ClassVar[str]  # "module:Class" of the plugin's vLLM model
@@ -248,6 +200,7 @@ class BetaModelAdapter(nn.Module):
         self.neuron_config = neuron_config or NeuronConfig()
         self.config = vllm_config.model_config.hf_config
         self.dtype = vllm_config.model_config.dtype
+        _set_worker_ir_state(vllm_config)
         with set_current_vllm_config(vllm_config), set_default_torch_dtype(self.dtype), torch.device("cpu"):
             self.model = initialize_model(vllm_config=vllm_config, model_class=model_cls)
         self._bound = False
@@ -269,7 +222,9 @@ class BetaModelAdapter(nn.Module):
     def load_weights(self, checkpoint_path: str, device: torch.device, cache_dir: str | None) -> None:
         """Load the checkpoint with vLLM's loader and the model's own ``load_weights`` (its name mapping,
         the packed MXFP4 -> FP8 reader and their errors), then vLLM's per-layer post-processing for
-        ``device`` -- exactly the steps vLLM's ``DefaultModelLoader.load_model`` takes."""
+        ``device``, as vLLM's ``DefaultModelLoader.load_model`` does, but device-shaped: the unquantized linear
+        and embedding layers keep their weights as loaded and compute with F.linear (vLLM's CPU build would repack
+        them for its own GEMM kernels), and `_prepare_for_device` replaces what only vLLM's runner runs."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader import get_model_loader
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -279,11 +234,20 @@ class BetaModelAdapter(nn.Module):
             raise ValueError(f"load_weights({checkpoint_path}): the model was configured for {cfg.model_config.model}")
         if cache_dir is not None:
             cfg.load_config.download_dir = cache_dir
+        dense = _dense_methods()
         with set_current_vllm_config(cfg), torch.device("cpu"):
             get_model_loader(cfg.load_config).load_weights(self.model, cfg.model_config)
+            self._prepare_for_device()
+            for module in self.model.modules():
+                method = dense.get(type(getattr(module, "quant_method", None)))
+                if method is not None:
+                    module.quant_method = method()
             process_weights_after_loading(self.model, cfg.model_config, torch.device(device))
         self.model.eval()
         self.to(device)
+
+    def _prepare_for_device(self) -> None:
+        """Between loading and vLLM's post-processing: swap out what only vLLM's own runner can run (subclasses)."""
 
     # --- caches (subclasses) ---
 
@@ -291,10 +255,6 @@ class BetaModelAdapter(nn.Module):
         raise NotImplementedError
 
     def bind_kv_cache(self, kv_caches: dict[str, list[torch.Tensor]]) -> None:
-        raise NotImplementedError
-
-    def _forward_metadata(self, plan: StepPlan, attn_metadata: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        """Per-layer metadata for vLLM's forward context, keyed by the layers' prefixes."""
         raise NotImplementedError
 
     @staticmethod
@@ -309,18 +269,10 @@ class BetaModelAdapter(nn.Module):
 
     # --- forward ---
 
-    @contextmanager
-    def _vllm_context(self, metadata: dict[str, Any], num_tokens: int) -> Iterator[None]:
-        from vllm.config import set_current_vllm_config
-        from vllm.forward_context import set_forward_context
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: dict[str, Any]) -> torch.Tensor:
+        """The model over one padded step: the final hidden states [T, hidden] of every token (subclasses)."""
+        raise NotImplementedError
 
-        with (
-            set_current_vllm_config(self._vllm_config),
-            set_forward_context(metadata, self._vllm_config, num_tokens=num_tokens),
-        ):
-            yield
-
-    @torch.inference_mode()  # as vLLM's runner: the plugin's ops share workspaces with vLLM's own runs
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -335,47 +287,69 @@ class BetaModelAdapter(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """One Beta step: logits at ``sampling_positions`` or, with on-device sampling, greedy tokens.
 
-        The cache writes happen inside the plugin's layers (slot per real token; padding slots are never
-        written), so the step needs the runner's ``attn_metadata``.
+        Traceable whole by ``torch.compile(fullgraph=True)``, one graph per bucket: shapes and the Python ints of
+        ``attn_metadata`` are fixed per bucket; everything else (real rows and tokens, slots, context lengths) is a
+        tensor masked on device; the caches and states are read and written by graph ops or by the declared kernel
+        ops of ``kernels/dispatch.py``. The checks below read Python values only.
         """
         if attn_metadata is None:
             raise ValueError("forward needs the runner's attn_metadata (the model writes its own caches)")
         if spec_decode_metadata is not None:
             raise NotImplementedError("speculative decoding is not supported by the plugin's models")
+        if sampling_positions is None:
+            raise ValueError("forward needs sampling_positions (the rows the runner samples)")
         if not self._bound:
             raise RuntimeError("bind_kv_cache() has not been called")
-        first = attn_metadata[self._first_layer_name()]
-        plan = plan_step(positions, first)
-        metadata = self._forward_metadata(plan, attn_metadata)
-        if sampling_positions is None:
-            sampling_positions = plan.query_start_loc()[1:] - 1
-        with self._vllm_context(metadata, plan.num_tokens):
-            hidden = self.model(input_ids.long(), positions.long())
-            logits = self.model.compute_logits(hidden.index_select(0, sampling_positions.long()))
+        hidden = self.step(input_ids, positions, attn_metadata)
+        logits = self.model.compute_logits(hidden.index_select(0, sampling_positions.long()))
         if logit_mask is not None:
             logits = logits.masked_fill(~logit_mask.to(logits.device, torch.bool), float("-inf"))
         if self.neuron_config.on_device_sampling_config is None:
             return logits
         return self._greedy(logits, sampling_params), (logits if self.neuron_config.max_logprobs else None)
 
-    def _first_layer_name(self) -> str:
-        raise NotImplementedError
-
     # vLLM's registry inspects these when the Beta runner resolves the architecture through it.
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        with self._vllm_context({}, int(hidden_states.shape[0])):
-            return self.model.compute_logits(hidden_states)
+        return self.model.compute_logits(hidden_states)
 
     @staticmethod
     def _greedy(logits: torch.Tensor, sampling_params: torch.Tensor | None) -> torch.Tensor:
         """On-device sampling, greedy rows only: ``sampling_params`` rows are ``[top_k, top_p, temperature]``
-        (``build_sampling_params_tensor``); a row is greedy when its temperature is 0 or top_k is 1."""
+        (``build_sampling_params_tensor``); a row is greedy when its temperature is 0 or top_k is 1. A non-greedy
+        row fails the step (an assertion the graph holds), never a silently greedy answer."""
         if sampling_params is not None:
-            p = sampling_params.float()
-            greedy = (p[:, 2] == 0) | (p[:, 0] == 1)
-            if not bool(greedy[: logits.shape[0]].all()):
-                raise NotImplementedError("on-device sampling: only greedy rows (temperature 0 or top_k 1)")
+            p = sampling_params.float()[: logits.shape[0]]
+            greedy = ((p[:, 2] == 0) | (p[:, 0] == 1)).all()
+            torch._assert_async(greedy, "on-device sampling: only greedy rows (temperature 0 or top_k 1)")
         return logits.argmax(dim=-1).to(torch.int32)
+
+
+def _set_worker_ir_state(vllm_config: Any) -> None:
+    """What vLLM's worker sets for its lifetime (``WorkerBase.__init__``, vLLM versions with ``vllm.ir``): its IR ops
+    (RMSNorm, fused add + RMSNorm) at their default implementation priority, called directly rather than through the
+    torch custom op that only vLLM's own Inductor pass lowers. The Beta worker runs no vLLM runner beside the model,
+    and a device compiler cannot see into a vLLM custom op, so the ops' torch bodies are what its graph holds."""
+    try:
+        import vllm.ir
+    except ImportError:  # vLLM without IR ops (0.24): its layers call their torch forms (custom_ops "none")
+        return
+    vllm_config.kernel_config.ir_op_priority.set_default()
+    vllm.ir.set_default_torch_wrap(False)
+
+
+def _dense_methods() -> dict[type, type]:
+    """vLLM's unquantized linear and embedding methods -> the same keeping their weights as loaded and computing
+    with torch's F.linear (the attribute vLLM's CPU GEMM dispatch reads), as on a device."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    def process_weights_after_loading(self: Any, layer: nn.Module) -> None:
+        layer.cpu_linear = torch.nn.functional.linear
+
+    return {
+        base: type(f"Dense{base.__name__}", (base,), {"process_weights_after_loading": process_weights_after_loading})
+        for base in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+    }
