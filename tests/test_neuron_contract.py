@@ -286,6 +286,14 @@ def test_trinity_kernels_in_emulator_through_beta_contract(
     )
 
 
+# torch's functional collectives: vLLM's TP-group all-reduce and the LM head's gather, traced
+COLLECTIVES = {
+    "_c10d_functional::all_reduce",
+    "_c10d_functional::all_gather_into_tensor",
+    "_c10d_functional::wait_tensor",
+}
+
+
 def _trinity_tp_rank(rank: int, world: int, mla: str, init_file: str, out_dir: str) -> None:
     """One Beta worker of a tensor-parallel group (a spawned process per rank): the worker's gloo world and vLLM's
     TP group of `world` ranks, then the same runner as at TP 1; the adapter builds and loads this rank's shard."""
@@ -312,6 +320,7 @@ def _trinity_tp_rank(rank: int, world: int, mla: str, init_file: str, out_dir: s
         num_blocks=32,
         max_num_batched_tokens=TRINITY_MAX_TOKENS,
         rank=rank,
+        compile_backend="aot_eager",
     )
     got = runner.generate([Request(p, a) for p, a in zip(TRINITY_PROMPTS, TRINITY_ARRIVALS)])
     spec = runner.model.get_kv_spec()
@@ -324,6 +333,9 @@ def _trinity_tp_rank(rank: int, world: int, mla: str, init_file: str, out_dir: s
             "kv_heads": list(latent.kv_heads),
             "key_scales": tuple(latent.key_scales.shape[1:]),
             "shapes": sorted(runner.padded_shapes),
+            "graphs": len(runner.graphs),
+            "warmed": len(runner.warmup_seconds),
+            "opaque": opaque_ops(runner.graphs, KERNEL_OPS),
         },
         Path(out_dir) / f"rank{rank}.pt",
     )
@@ -337,8 +349,10 @@ def test_trinity_beta_contract_at_tp2_equals_tp1(
 ) -> None:
     """Two Beta workers (spawned processes, gloo), each building through the adapter the shard of its rank of a
     TP-2 group the worker set up: sliding layers with 2 of the 4 KV heads, the whole 256-wide latent, the latent
-    layer's KV heads and key-scale columns split between the ranks; both ranks' greedy tokens equal TP 1's
-    (vLLM's engine on the same float32 checkpoint)."""
+    layer's KV heads and key-scale columns split between the ranks; each rank compiled as the runner compiles
+    (one graph per bucket, no recompile), the only nodes besides aten and the kernel ops torch's traceable
+    collectives, which vLLM's TP group traces to (what a device compiler lowers to its collective engine); both
+    ranks' greedy tokens equal TP 1's (vLLM's engine on the same float32 checkpoint)."""
     import torch.multiprocessing as mp
 
     mla, _ = trinity_ckpts
@@ -352,6 +366,11 @@ def test_trinity_beta_contract_at_tp2_equals_tp1(
     for r, got in enumerate(ranks):
         assert got["sliding_kv_heads"] == [2] and got["latent_rank"] == [256], got
         assert got["kv_heads"] == [2 * r, 2 * r + 1] and got["key_scales"] == (2,), got
+        assert got["graphs"] == got["warmed"], got
+        assert "_c10d_functional::all_reduce" in got["opaque"] and set(got["opaque"]) <= COLLECTIVES, got["opaque"]
         for p, g, e in zip(TRINITY_PROMPTS, got["tokens"], trinity_expected):
             assert g == e, f"rank {r}, prompt of {len(p)} tokens: Beta contract at TP 2 {g}, vLLM at TP 1 {e}"
-    print(f"\nMLA-Trinity via the Beta contract at TP 2 (two gloo ranks): tokens equal TP 1's; {ranks[0]['shapes']}")
+    print(
+        f"\nMLA-Trinity via the Beta contract at TP 2 (two gloo ranks, compiled, {ranks[0]['graphs']} graphs per "
+        f"rank): tokens equal TP 1's; {ranks[0]['shapes']}; collectives {ranks[0]['opaque']}"
+    )
