@@ -18,6 +18,25 @@ MAX_NUM_SEQS = 64  # more than the pool holds: admission is limited by free page
 TOKEN_BUDGET = 256  # max_num_batched_tokens: prompts longer than this are prefilled in chunks
 
 
+TRN2 = Path(__file__).resolve().parents[1] / "deploy" / "trn2"
+
+
+def trn2_recipe_argv(model: str, ckpt: str | Path = "/models/x", env: dict[str, str] | None = None) -> list[str]:
+    """The `vllm serve` command line deploy/trn2/serve-replica.sh prints for `model` (`--print`: runs nothing)."""
+    import os
+    import shlex
+    import subprocess
+
+    printed = subprocess.run(
+        [str(TRN2 / "serve-replica.sh"), model, str(ckpt), "--print"],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return shlex.split(printed)
+
+
 def read_safetensors_dir(d: Path) -> dict[str, torch.Tensor]:
     """Every tensor of every *.safetensors file in d."""
     from safetensors import safe_open

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers import trn2_recipe_argv
 from vllm_trn_plugin.bench import build_parser, run_bench
 from vllm_trn_plugin.bench.client import RequestResult, Target
 from vllm_trn_plugin.bench.local import vllm_trn_command
@@ -385,17 +386,13 @@ def test_sweep_against_vllm_serve(servers, tmp_path: Path) -> None:  # noqa: ANN
 @pytest.mark.vllm
 @pytest.mark.parametrize("model,cores", [("laplace-3b", 1), ("mla-trinity", 2)])
 def test_trn2_recipe_parses_as_vllm_serve(model: str, cores: int) -> None:
-    import shlex
-
     from vllm_trn_plugin.cli import ensure_vllm_version_lookup
 
     ensure_vllm_version_lookup()
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    script = Path(__file__).resolve().parents[1] / "deploy" / "trn2" / "serve-replica.sh"
-    line = subprocess.run([str(script), model, "/models/x", "--print"], capture_output=True, text=True, check=True)
-    argv = shlex.split(line.stdout)
+    argv = trn2_recipe_argv(model)
     assert argv[:2] == ["vllm", "serve"]
     parser = FlexibleArgumentParser()
     ServeSubcommand().subparser_init(parser.add_subparsers())

@@ -14,6 +14,7 @@ counted; for MLA-Trinity on the packed form of that checkpoint (FP8 experts), so
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from tests.fakes.beta_runner import STEPS, BetaRunner, Request, opaque_ops, runner_config
-from tests.helpers import count_calls, greedy_params, random_prompts, token_prompts
+from tests.helpers import count_calls, greedy_params, random_prompts, token_prompts, trn2_recipe_argv
 from vllm_trn_plugin.kernels.dispatch import KERNEL_OPS
 from vllm_trn_plugin.neuron.contract import PAD_SLOT_ID
 
@@ -373,4 +374,51 @@ def test_trinity_beta_contract_at_tp2_equals_tp1(
     print(
         f"\nMLA-Trinity via the Beta contract at TP 2 (two gloo ranks, compiled, {ranks[0]['graphs']} graphs per "
         f"rank): tokens equal TP 1's; {ranks[0]['shapes']}; collectives {ranks[0]['opaque']}"
+    )
+
+
+def _recipe(model: str) -> tuple[dict[str, Any], int, str]:
+    """The trn2 recipe's neuron_config, max_model_len and dtype for `model` (deploy/trn2/serve-replica.sh)."""
+    argv = trn2_recipe_argv(model)
+
+    def opt(name: str) -> str:
+        return argv[argv.index(name) + 1]
+
+    return json.loads(opt("--additional-config"))["neuron_config"], int(opt("--max-model-len")), opt("--dtype")
+
+
+@pytest.mark.parametrize("model", ["laplace-3b", "mla-trinity"])
+def test_recipe_buckets_are_captured_whole(model: str, worker: None, tmp_path: Path) -> None:
+    """Every bucket the trn2 recipe has the runner compile (its neuron_config, max_model_len and dtype: prefill token
+    buckets up to 2048, decode widths, MLA-Trinity's context buckets 2304 / 4352 / 8448 and max_model_len 16,640) is
+    captured by torch.compile(fullgraph=True) as one graph holding nothing opaque but the kernel ops. Traced only
+    (a 2048-token prefill over a 16,640-token table does not run on these machines), on the demo geometry (4
+    layers), at TP 1 (the compiled TP-2 run is test_trinity_beta_contract_at_tp2_equals_tp1's)."""
+    from vllm_trn_plugin.demo import write_laplace_demo, write_trinity_demo
+    from vllm_trn_plugin.neuron.laplace import LaplaceBetaModel
+    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLABetaModel
+
+    nc, max_len, dtype = _recipe(model)
+    if model == "laplace-3b":
+        cls, ckpt = LaplaceBetaModel, write_laplace_demo(tmp_path / "ckpt", dtype=torch.float32)
+    else:
+        cls = TrinityMLABetaModel
+        ckpt = write_trinity_demo(tmp_path / "ckpt", dtype=torch.float32, max_position_embeddings=max_len)
+    runner = BetaRunner(
+        cls,
+        ckpt,
+        runner_config(ckpt, max_len, dtype=dtype),
+        nc,
+        block_size=32,
+        num_blocks=8,
+        max_num_batched_tokens=max(nc["num_batched_tokens_buckets"]),
+        compile_backend="capture",
+    )
+    contexts = len(nc.get("decode_context_length_buckets", [])) + 1  # + max_model_len
+    buckets = len(nc["num_batched_tokens_buckets"]) + len(nc["num_seqs_buckets"]) * contexts
+    assert len(runner.graphs) == len(runner.warmup_seconds) == buckets, sorted(runner.warmup_seconds)
+    assert opaque_ops(runner.graphs, KERNEL_OPS) == {}
+    print(
+        f"\n{model}: the recipe's {buckets} buckets captured whole ({dtype}, max_model_len {max_len}) in "
+        f"{sum(runner.warmup_seconds.values()):.0f} s: {sorted(runner.warmup_seconds)}"
     )

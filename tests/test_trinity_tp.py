@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import random_prompts, raw_logits_llm, token_prompts, worker_functions_allowed
+from tests.helpers import random_prompts, raw_logits_llm, token_prompts, trn2_recipe_argv, worker_functions_allowed
 from tests.references.afmoe import check_against_hf_greedy, hf_greedy, trinity_geometry_pair
 from vllm_trn_plugin.bench.ties import TIE_MARGIN, first_divergence
 
@@ -139,9 +139,6 @@ def test_trn2_recipe_layout_serves_on_cpu(tmp_path: Any, monkeypatch: pytest.Mon
     --kv-cache-dtype fp8 (vLLM's CPU attention refuses an FP8 cache on AVX2-only hosts) and the recipe's host/port.
     The server must run that configuration and answer: a prompt past the window and a latent block, greedily, twice
     alike, and a chat turn."""
-    import shlex
-    import subprocess
-    from pathlib import Path
 
     import requests
 
@@ -151,11 +148,7 @@ def test_trn2_recipe_layout_serves_on_cpu(tmp_path: Any, monkeypatch: pytest.Mon
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # the plugin's binding, as a user would get it
     ckpt = pack(write_trinity_demo(tmp_path / "demo", max_position_embeddings=131072), tmp_path / "packed").dst
-    script = Path(__file__).resolve().parents[1] / "deploy" / "trn2" / "serve-replica.sh"
-    printed = subprocess.run(
-        [str(script), "mla-trinity", str(ckpt), "--print"], capture_output=True, text=True, check=True
-    )
-    argv = shlex.split(printed.stdout)
+    argv = trn2_recipe_argv("mla-trinity", ckpt)
     assert argv[:3] == ["vllm", "serve", str(ckpt)] and argv[argv.index("--tensor-parallel-size") + 1] == "2"
     port = free_port()
     args, skip = [], {"--kv-cache-dtype": None, "--host": "127.0.0.1", "--port": str(port)}

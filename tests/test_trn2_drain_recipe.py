@@ -5,28 +5,17 @@ tests/test_serving_features.py::test_sigterm_lets_streams_in_flight_finish.)"""
 
 from __future__ import annotations
 
-import os
-import shlex
-import subprocess
-from pathlib import Path
-
 import pytest
 import yaml
 
-TRN2 = Path(__file__).resolve().parents[1] / "deploy" / "trn2"
+from tests.helpers import TRN2, trn2_recipe_argv
+
 TEARDOWN_MARGIN_S = 30  # for the engine to stop after the drain (seconds on CPU), inside the grace period
 
 
 def _recipe_shutdown_timeout(model: str, env: dict[str, str]) -> int:
     """--shutdown-timeout of serve-replica.sh's command line, under the container's environment."""
-    printed = subprocess.run(
-        [str(TRN2 / "serve-replica.sh"), model, "/models/x", "--print"],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    argv = shlex.split(printed)
+    argv = trn2_recipe_argv(model, env=env)
     return int(argv[argv.index("--shutdown-timeout") + 1])
 
 

@@ -175,18 +175,35 @@ class BetaRunner:
             return self.forward(**kwargs)
 
     def _recording(self, backend: str) -> Any:
-        """`backend` at the aten level, keeping each graph it is handed (after AOT functionalization)."""
+        """`backend` at the aten level, keeping each graph it is handed (after AOT functionalization). "capture":
+        trace and keep the graph, run nothing (each call returns uninitialised outputs of the traced shapes), to
+        check that buckets far too large to run here are captured whole."""
         from torch._dynamo import lookup_backend
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.aot_autograd import make_boxed_func
 
-        inner = lookup_backend(backend)
+        if backend not in ("aot_eager", "capture"):
+            inner = lookup_backend(backend)
+
+            def record_inner(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+                self.graphs.append(gm)
+                return inner(gm, example_inputs)
+
+            return record_inner
 
         def record(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
             self.graphs.append(gm)
-            return make_boxed_func(gm.forward) if backend == "aot_eager" else inner(gm, example_inputs)
+            if backend == "aot_eager":
+                return make_boxed_func(gm.forward)
+            (outputs,) = next(n for n in gm.graph.nodes if n.op == "output").args
+            vals = [None if o is None else o.meta["val"] for o in outputs]
+            return make_boxed_func(
+                lambda *args: [
+                    None if v is None else torch.empty(v.shape, dtype=v.dtype, device=v.device) for v in vals
+                ]
+            )
 
-        return aot_autograd(fw_compiler=record) if backend == "aot_eager" else record
+        return aot_autograd(fw_compiler=record)
 
     def warm_up(self) -> None:
         """Every bucket once, with the runner's synthetic inputs (one prefill of each token bucket; one decode of
@@ -392,12 +409,12 @@ class BetaRunner:
         return tensors + [a.key_scales for a in getattr(self.model, "_latent", []) if a.key_scales is not None]
 
 
-def runner_config(ckpt: Path, max_model_len: int, tp: int = 1) -> Any:
-    """The runner's vLLM config (what the Beta worker holds; float32 like the reference engines)."""
+def runner_config(ckpt: Path, max_model_len: int, tp: int = 1, dtype: str = "float32") -> Any:
+    """The runner's vLLM config (what the Beta worker holds; float32 like the reference engines by default)."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(
-        model=str(ckpt), dtype="float32", max_model_len=max_model_len, enforce_eager=True, tensor_parallel_size=tp
+        model=str(ckpt), dtype=dtype, max_model_len=max_model_len, enforce_eager=True, tensor_parallel_size=tp
     )
     return args.create_engine_config()
 
