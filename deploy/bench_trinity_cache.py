@@ -40,6 +40,17 @@ Options: `--help`. Results: tables on stdout and JSON (`--out`, default bench-ou
    (512 B), so the theory ratio at L = 32768 falls from 2.71x (t = 1) to 1.73x (t = 2) and 1.0x (t = 4). The
    t = 1 group is checked against part 2. MLA-Trinity's key-scale store (16 B per token and latent layer at
    t = 1, halved with each doubling of t; docs/mla-trinity.md) is outside vLLM's specs and counted in neither.
+5. FP8 latent cache (`--no-fp8` skips it), TP 1, spec level: four variants side by side, the bf16 original (built-in
+   AFMoE), MLA-Trinity with a bf16 latent, with an FP8 latent (`--additional-config '{"latent_cache_dtype":
+   "fp8"}'`, sliding layers bf16) and with FP8 latent + FP8 sliding layers (`--kv-cache-dtype fp8`). Spec level
+   only: vLLM's CPU attention refuses an FP8 cache for the sliding layers on AVX2 hosts, its spec arithmetic does
+   not. Theory per sequence at L (window-only sliding layers) without and with the latent layers' scale stores
+   (per latent row: one fp32 key scale per KV head, + one fp32 dequantization scale for FP8; 8 x L x 20 B for FP8
+   at t = 1), per-token averages including the stores, ratios vs the original; vLLM's max concurrency at the raw
+   budget (its specs only) and at the budget the engine sizes its pool with once MLA-Trinity's build reserved the
+   stores (`reserve_key_scale_budget`: budget / (1 + store bytes per latent byte); the stores cover every row of
+   the pool's shared tensors, so they are charged on sliding blocks too). Target: >= 5x the original's
+   concurrency for FP8 latent + FP8 sliding (printed: met or not, for theory and for vLLM).
 """
 
 from __future__ import annotations
@@ -90,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[1, 2, 4],
         help="part 4: per-rank figures at these TP sizes, each in its own process group (default 1 2 4; none: skip)",
     )
+    p.add_argument("--no-fp8", dest="fp8", action="store_false", help="skip part 5 (FP8 latent cache)")
     p.add_argument("--engine", action="store_true", help="also start two small real engines")
     p.add_argument("--engine-budget-mib", type=int, default=256, help="engine kv_cache_memory_bytes (MiB)")
     p.add_argument("--engine-max-model-len", type=int, default=4096)
@@ -161,7 +173,16 @@ def write_config(out: Path, arch: str, geo: dict[str, Any], dtype: str) -> str:
     return str(out)
 
 
-def engine_config(ckpt: str, dtype: str, max_model_len: int, mnbt: int, tensor_parallel_size: int = 1):  # noqa: ANN201
+def engine_config(  # noqa: ANN201
+    ckpt: str,
+    dtype: str,
+    max_model_len: int,
+    mnbt: int,
+    tensor_parallel_size: int = 1,
+    kv_cache_dtype: str = "auto",
+    additional_config: dict[str, Any] | None = None,
+    kv_cache_memory_bytes: int | None = None,
+):
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(
@@ -172,6 +193,9 @@ def engine_config(ckpt: str, dtype: str, max_model_len: int, mnbt: int, tensor_p
         tensor_parallel_size=tensor_parallel_size,
         enforce_eager=True,
         skip_tokenizer_init=True,
+        kv_cache_dtype=kv_cache_dtype,
+        additional_config=additional_config or {},
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
     ).create_engine_config()
 
 
@@ -464,6 +488,181 @@ def tp_figures(args: argparse.Namespace, root: Path, tp: int) -> dict[str, Any]:
     }
 
 
+# --- 5. FP8 latent cache (TP 1, spec level) ---------------------------------------------------------------
+
+MB = 10**6  # part 5 quotes decimal MB, as the issue's theory figures do
+# key: label, model, --kv-cache-dtype, --additional-config, latent bytes per value (None: K+V global layers),
+# sliding layers' bytes per value
+FP8_VARIANTS: dict[str, tuple[str, str, str, dict[str, Any], int | None, int]] = {
+    "original": ("bf16 original (built-in AFMoE)", "afmoe", "auto", {}, None, 2),
+    "mla_bf16": ("MLA-Trinity bf16 latent", "mla", "auto", {}, 2, 2),
+    "mla_fp8": ("MLA-Trinity FP8 latent", "mla", "auto", {"latent_cache_dtype": "fp8"}, 1, 2),
+    "mla_fp8_all": ("MLA-Trinity FP8 latent + FP8 sliding", "mla", "fp8", {}, 1, 1),
+}
+FP8_TARGET = 5.0  # x the original's concurrency, for the last variant
+
+
+def theory_fp8(geo: dict[str, Any], context: int, latent_bytes: int | None, sliding_bytes: int) -> dict[str, Any]:
+    """One sequence at `context`, TP 1: sliding layers hold their window only; a latent row's scale stores hold one
+    fp32 key scale per KV head (+ one fp32 dequantization scale for an FP8 latent) per latent layer and token."""
+    n_slide = sum(t == "sliding_attention" for t in geo["layer_types"])
+    n_glob = len(geo["layer_types"]) - n_slide
+    kv_row = geo["num_key_value_heads"] * geo["head_dim"] * 2  # K and V values per token and layer
+    window = min(context, geo["sliding_window"])
+    if latent_bytes is None:
+        glob_row, scale_row = kv_row * 2, 0  # the original's global layers: bf16 K+V
+    else:
+        glob_row = KV_LORA_RANK * latent_bytes
+        scale_row = geo["num_key_value_heads"] * 4 + (4 if latent_bytes == 1 else 0)
+    cache = n_slide * window * kv_row * sliding_bytes + n_glob * context * glob_row
+    scales = n_glob * context * scale_row
+    return {
+        "sliding_layer_bytes_per_token": kv_row * sliding_bytes,
+        "global_layer_bytes_per_token": glob_row,
+        "scale_bytes_per_latent_row": scale_row,
+        "scale_bytes_per_latent_byte": scale_row / glob_row,
+        "cache_bytes_per_sequence": cache,
+        "scale_bytes_per_sequence": scales,
+        "dequant_scale_bytes_per_sequence": n_glob * context * 4 if latent_bytes == 1 else 0,
+        "bytes_per_sequence": cache + scales,
+        "avg_bytes_per_token": (cache + scales) / context,
+    }
+
+
+def fp8_figures(root: Path, geo: dict[str, Any], context: int, budgets: list[int], mnbts: list[int]) -> dict[str, Any]:
+    """Each variant built on `meta` under its own config (the latent's dtype comes from `latent_cache_dtype`), sized
+    by vLLM at the raw budget and at the budget left once the model's build reserved the scale stores."""
+    from vllm_trn_plugin.model_executors.latent_attention import reserve_key_scale_budget
+
+    dtype, out = "bfloat16", {}
+    ckpts = {key: write_config(root / key, arch, {**geo, **({"kv_lora_rank": KV_LORA_RANK} if key == "mla" else {})},
+                               dtype) for key, arch in MODELS.items()}  # fmt: skip
+    for key, (label, model, kvd, extra, lb, sb) in FP8_VARIANTS.items():
+
+        def cfg(mnbt: int, budget: int | None = None, model: str = model, kvd: str = kvd, extra: dict = extra):  # noqa: ANN202
+            return engine_config(ckpts[model], dtype, context, mnbt, 1, kvd, extra, budget)
+
+        specs, backends = collect_specs(cfg(mnbts[0]))
+        rows = []
+        for mnbt in mnbts:
+            for budget in budgets:
+                vc = cfg(mnbt, budget)
+                if model == "mla":
+                    reserve_key_scale_budget(vc)  # what TrinityMLAForCausalLM's build does in the worker
+                reserved = vc.cache_config.kv_cache_memory_bytes
+                raw = size_cache(cfg(mnbt), specs, backends, budget)
+                eng = size_cache(vc, specs, backends, reserved)
+                per_request = sum(
+                    g["blocks_per_request"] * g["page_bytes_per_layer"] * g["layers"] for g in raw["groups"]
+                )
+                rows.append(
+                    {
+                        "budget": budget,
+                        "max_num_batched_tokens": mnbt,
+                        "engine_budget": reserved,
+                        "vllm_bytes_per_request": per_request,
+                        "max_concurrency": raw["max_concurrency"],
+                        "engine_max_concurrency": eng["max_concurrency"],
+                        "num_blocks": raw["num_blocks"],
+                        "engine_num_blocks": eng["num_blocks"],
+                        "groups": [(g["type"], g["layers"], g["block_size"]) for g in raw["groups"]],
+                        "fallback_warnings": [
+                            w for w in raw["warnings"] + eng["warnings"] if any(f in w for f in FALLBACK_WARNINGS)
+                        ],
+                    }
+                )
+        out[key] = {
+            "label": label,
+            "kv_cache_dtype": kvd,
+            "additional_config": extra,
+            "spec_dtypes": sorted({f"{type(s).__name__}:{s.dtype}" for s in specs.values()}),
+            "spec_bytes": spec_bytes(specs, context),
+            "theory": theory_fp8(geo, context, lb, sb),
+            "rows": rows,
+        }
+    return out
+
+
+def report_fp8(res: dict[str, Any], ctx: int) -> None:
+    f = res["fp8"]
+    base = f["original"]["theory"]
+    print(
+        f"\n== 5. FP8 latent cache, Trinity-Mini geometry, TP 1, context {ctx}, window "
+        f"{TRINITY_MINI['sliding_window']} (spec level; MB = 10^6 B) =="
+    )
+    print(
+        "Per sequence: cache = the layers' K/V or latent (sliding layers: window only); scales = the latent layers' "
+        "side stores\n(per latent layer and token: 4 KV heads x 4 B key scales, + 4 B dequantization scale for FP8); "
+        "B/token = (cache + scales) / context."
+    )
+    print(
+        f"{'variant':38}{'latent':>15}{'sliding':>15}{'cache MB':>10}{'ratio':>8}{'+scales MB':>12}{'total MB':>10}"
+        f"{'B/token':>9}{'ratio':>8}{'spec MB':>9}"
+    )
+    for v in f.values():
+        t = v["theory"]
+        dt = dict(x.split(":", 1) for x in v["spec_dtypes"])
+        print(
+            f"{v['label']:38}{dt.get('MLAAttentionSpec', dt.get('FullAttentionSpec', '')).removeprefix('torch.'):>15}"
+            f"{dt.get('SlidingWindowSpec', '').removeprefix('torch.'):>15}"
+            f"{t['cache_bytes_per_sequence'] / MB:>10.1f}"
+            f"{base['cache_bytes_per_sequence'] / t['cache_bytes_per_sequence']:>7.2f}x"
+            f"{t['scale_bytes_per_sequence'] / MB:>12.2f}{t['bytes_per_sequence'] / MB:>10.1f}"
+            f"{t['avg_bytes_per_token']:>9,.0f}{base['bytes_per_sequence'] / t['bytes_per_sequence']:>7.2f}x"
+            f"{v['spec_bytes']['bytes_per_sequence'] / MB:>9.1f}"
+        )
+    print(
+        "  (first ratio: cache only, vs the original; second: with the scale stores; spec MB: vLLM's per-layer specs, "
+        "window only, no stores)\n  issue's theory: 637.5 MB original; 234.9 MB (2.71x) bf16 latent; 167.8 MB (3.80x) "
+        "FP8 latent; 117.4 MB (5.43x) FP8 latent + FP8 sliding, before scales; FP8 latent scale ~1%"
+    )
+    for v in f.values():
+        t = v["theory"]
+        if t["scale_bytes_per_sequence"]:
+            print(
+                f"  {v['label']}: scale stores {t['scale_bytes_per_sequence'] / t['cache_bytes_per_sequence']:.1%} "
+                f"of the cache (the FP8 dequantization scale alone "
+                f"{t['dequant_scale_bytes_per_sequence'] / t['cache_bytes_per_sequence']:.1%}); stores = "
+                f"{t['scale_bytes_per_latent_byte']:.2%} of the latent bytes"
+            )
+
+    print(
+        f"\nMaximum concurrency for {ctx} tokens per request (vLLM: get_max_concurrency_for_kv_cache_config); raw: "
+        f"vLLM's specs at the budget; engine: at the budget left after MLA-Trinity's build reserved the scale stores "
+        f"(budget / (1 + store bytes per latent byte)); theory: budget / total MB above"
+    )
+    print(
+        f"{'variant':38}{'budget':>7}{'batched':>8}{'vLLM MB/req':>12}{'raw':>8}{'engine':>8}{'ratio':>8}"
+        f"{'theory':>8}{'ratio':>8}  groups (type x layers, block)"
+    )
+    for v in f.values():
+        for i, r in enumerate(v["rows"]):
+            o = f["original"]["rows"][i]
+            th = r["budget"] / v["theory"]["bytes_per_sequence"]
+            groups = ", ".join(f"{n}x{t.removesuffix('Spec')}/{b}" for t, n, b in r["groups"])
+            fb = " FALLBACK" if r["fallback_warnings"] else ""
+            print(
+                f"{v['label']:38}{r['budget'] / GiB:>5.0f}Gi{r['max_num_batched_tokens']:>8}"
+                f"{r['vllm_bytes_per_request'] / MB:>12.1f}{r['max_concurrency']:>8.2f}"
+                f"{r['engine_max_concurrency']:>8.2f}"
+                f"{r['engine_max_concurrency'] / o['engine_max_concurrency']:>7.2f}x{th:>8.2f}"
+                f"{th / (o['budget'] / base['bytes_per_sequence']):>7.2f}x  {groups}{fb}"
+            )
+    last = f["mla_fp8_all"]
+    t_ratio = base["bytes_per_sequence"] / last["theory"]["bytes_per_sequence"]
+    t_ratio0 = base["cache_bytes_per_sequence"] / last["theory"]["cache_bytes_per_sequence"]
+    v_ratios = [
+        r["engine_max_concurrency"] / o["engine_max_concurrency"] for r, o in zip(last["rows"], f["original"]["rows"])
+    ]
+    ok = lambda x: "met" if x >= FP8_TARGET else "NOT met"  # noqa: E731
+    print(
+        f"target >= {FP8_TARGET:.0f}x the original for {last['label']}: theory {t_ratio0:.2f}x before scales "
+        f"({ok(t_ratio0)}), {t_ratio:.2f}x with the scale stores ({ok(t_ratio)}); vLLM (engine budget, per row) "
+        + ", ".join(f"{x:.2f}x" for x in v_ratios)
+        + f" ({ok(min(v_ratios))} at the smallest, {ok(max(v_ratios))} at the largest)"
+    )
+
+
 # --- report ------------------------------------------------------------------------------------------------
 
 
@@ -548,6 +747,9 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
     if res.get("tp"):
         report_tp(res, ctx)
 
+    if "fp8" in res:
+        report_fp8(res, ctx)
+
     if "engine" in res:
         e = res["engine"]
         print(
@@ -625,6 +827,8 @@ def main(argv: list[str] | None = None) -> None:
                 == [r["max_concurrency"] for r in res["vllm"][k]["rows"]]
                 for k in MODELS
             )
+        if args.fp8:
+            res["fp8"] = fp8_figures(Path(d) / "fp8", TRINITY_MINI, args.context, budgets, args.max_num_batched_tokens)
         if args.engine:
             res["engine"] = run_engines(args, Path(d) / "demo")
     res["seconds"] = time.perf_counter() - t0

@@ -53,6 +53,17 @@ What it does:
    softmax / latent sum; ...; built-in: vllm::unified_attention_with_output + unified_kv_cache_update) and
    everything else (the compiled rest of the model, sampling).
 
+`--latent-fp8`: instead of MLA vs built-in, MLA-Trinity's latent cache in the model dtype vs in FP8
+(`additional_config={"latent_cache_dtype": "fp8"}`: Trainium2 E4M3 codes + one fp32 scale per token), two engines of
+the same MLA checkpoint with the same settings otherwise, measured ABBA as above; the table shows the FP8 / model-dtype
+decode ratio per context. With `--dtype bfloat16` the model-dtype latent is bf16 (the default float32 keeps the
+original comparison's dtype). E.g. (prefill of 32k takes minutes per engine on one core)::
+
+    .venv/bin/python deploy/bench_trinity_decode.py --latent-fp8 --dtype bfloat16 --reuse-prefill \
+        --contexts 8192 32768 --no-profile
+
+The engines are started one after the other (each waits for the previous one to be up), never two at once.
+
 Results: tables on stdout and JSON (`--out`, default bench-out/bench_trinity_decode.json); engine logs in
 bench-out/bench_trinity_decode-logs/. The machine is noisy: compare the ratios measured side by side in one run,
 not absolute milliseconds across runs.
@@ -77,7 +88,8 @@ from vllm_trn_plugin.bench import local
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"mla": "TrinityMLAForCausalLM", "afmoe": "AfmoeForCausalLM"}
-LABEL = {"mla": "MLA-Trinity", "afmoe": "built-in AFMoE"}
+LABEL = {"mla": "MLA-Trinity", "afmoe": "built-in AFMoE", "mla_fp8": "MLA-Trinity FP8"}
+FP8_LATENT = {"latent_cache_dtype": "fp8"}  # --additional-config of the --latent-fp8 comparison's second engine
 CPU_BLOCK = 128  # vLLM 0.32 CPU default block size (platforms/cpu.py) when the model is not DeepSeek-MLA
 MiB = 1 << 20
 INTERESTING_LOG = re.compile(
@@ -116,6 +128,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "is really prefilled (see the description)",
     )
     p.add_argument("--enforce-eager", action="store_true", help="both engines eager (default: compiled)")
+    p.add_argument(
+        "--latent-fp8",
+        action="store_true",
+        help="MLA-Trinity with its latent cache in the model dtype vs in FP8 (latent_cache_dtype fp8), not vs built-in",
+    )
+    p.add_argument("--dtype", default="float32", help="both engines' dtype (default float32; bfloat16: a bf16 latent)")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip part 3")
     p.add_argument("--profile-steps", type=int, default=6, help="decode steps profiled (default 6)")
     p.add_argument("--model-dir", type=Path, help="write the two checkpoints here (default: a temp dir)")
@@ -243,7 +261,7 @@ def builtin_kv_bytes(cfg: dict[str, Any], lengths: list[int], mnbt: int, block: 
 
 
 def measure(engines: dict[str, local.EngineChild], args: argparse.Namespace, max_tokens: int) -> list[dict[str, Any]]:
-    keys = list(MODELS)
+    keys = list(engines)
     runs: list[dict[str, Any]] = []
     total = args.reps * len(args.contexts) * len(keys)
     for rep in range(args.reps):
@@ -280,9 +298,12 @@ def check(ans: dict[str, Any], max_tokens: int, key: str) -> None:
         raise SystemExit(f"{key}: request preempted {ans['preemptions']}x; its timing would include a re-prefill")
 
 
-def summarize(runs: list[dict[str, Any]], contexts: list[int]) -> dict[str, Any]:
+def summarize(
+    runs: list[dict[str, Any]], contexts: list[int], pair: tuple[str, str] = ("mla", "afmoe")
+) -> dict[str, Any]:
+    """Per model and context; `pair` (numerator, denominator): the per-rep ratio of adjacent measurements."""
     out: dict[str, Any] = {}
-    for key in MODELS:
+    for key in pair:
         per_ctx = {}
         for ctx in contexts:
             tpot = [1e3 * r["decode_s_per_token"] for r in runs if r["model"] == key and r["context"] == ctx]
@@ -295,17 +316,17 @@ def summarize(runs: list[dict[str, Any]], contexts: list[int]) -> dict[str, Any]
                 "prefill_s_median": statistics.median(pre),
             }
         out[key] = per_ctx
-    # MLA / built-in per adjacent pair (same rep, same context, measured back to back).
+    # pair[0] / pair[1] (MLA / built-in by default) per adjacent pair (same rep, same context, back to back).
     pairs: dict[int, list[float]] = {ctx: [] for ctx in contexts}
     agree: dict[int, list[int]] = {ctx: [] for ctx in contexts}
     for ctx in contexts:
         for rep in sorted({r["rep"] for r in runs}):
             a = [r for r in runs if r["rep"] == rep and r["context"] == ctx]
             by = {r["model"]: r for r in a}
-            if set(by) == set(MODELS):
-                pairs[ctx].append(by["mla"]["decode_s_per_token"] / by["afmoe"]["decode_s_per_token"])
+            if set(by) == set(pair):
+                pairs[ctx].append(by[pair[0]]["decode_s_per_token"] / by[pair[1]]["decode_s_per_token"])
                 same = 0
-                for x, y in zip(by["mla"]["tokens"], by["afmoe"]["tokens"]):
+                for x, y in zip(by[pair[0]]["tokens"], by[pair[1]]["tokens"]):
                     if x != y:
                         break
                     same += 1
@@ -376,7 +397,7 @@ def analyze_profile(profile_dir: Path, key: str, n_attn_layers: int, cfg: dict[s
     nest(events)
     attn_names = (
         ("vllm::trn_latent_attention",)
-        if key == "mla"
+        if key.startswith("mla")
         else ("vllm::unified_attention_with_output", "vllm::unified_kv_cache_update")
     )
     attn = [i for i, e in enumerate(events) if e["name"] in attn_names]
@@ -394,7 +415,7 @@ def analyze_profile(profile_dir: Path, key: str, n_attn_layers: int, cfg: dict[s
         "steps": steps,
     }
     res["attention_ms_per_step"] = sum(res["ops_ms_total"].values()) / max(steps, 1)
-    if key == "mla":
+    if key.startswith("mla"):
         top_set = set(top)
         parts: dict[str, float] = {}
         for e in events:
@@ -438,7 +459,7 @@ def run_profiles(  # noqa: ANN201
             }
         )
         time.sleep(2)  # the worker writes its trace when the profiler stops
-        n_attn = n_full if key == "mla" else len(cfg["layer_types"])
+        n_attn = n_full if key.startswith("mla") else len(cfg["layer_types"])
         try:
             res = analyze_profile(dirs[key], key, n_attn, cfg, args.kv_lora_rank)
         except Exception as exc:  # noqa: BLE001  (report, do not lose the timing results)
@@ -453,7 +474,57 @@ def run_profiles(  # noqa: ANN201
 # --- report ----------------------------------------------------------------------------------------------
 
 
+def report_latent_fp8(res: dict[str, Any], args: argparse.Namespace) -> None:
+    """--latent-fp8: MLA-Trinity's decode with the latent in the model dtype vs in FP8, side by side."""
+    s, ctxs = res["summary"], args.contexts
+    base = f"{args.dtype} latent"
+    print(
+        f"\n== MLA-Trinity decode time per output token, ms: {base} vs FP8 latent (latent_cache_dtype fp8); median "
+        f"of {args.reps}; vLLM RequestOutput.metrics; {args.output_len} output tokens, one request at a time; "
+        f"{'eager' if args.enforce_eager else 'compiled'} =="
+    )
+    print(f"{'latent':22}" + "".join(f"{c:>10}" for c in ctxs))
+    for key, name in (("mla", base), ("mla_fp8", "FP8 (E4M3 + scale)")):
+        print(f"{name:22}" + "".join(f"{s[key][c]['median']:>10.2f}" for c in ctxs))
+    print(
+        f"{'FP8 / ' + base:22}" + "".join(f"{s['mla_fp8'][c]['median'] / s['mla'][c]['median']:>10.2f}" for c in ctxs)
+    )
+    print(f"{'  (pairwise med.)':22}" + "".join(f"{statistics.median(s['pair_ratios'][c]):>10.2f}" for c in ctxs))
+    print("spread (min-max ms/token) and prefill (median s):")
+    for key, name in (("mla", base), ("mla_fp8", "FP8")):
+        parts = [
+            f"{c}: {s[key][c]['min']:.2f}-{s[key][c]['max']:.2f}, prefill {s[key][c]['prefill_s_median']:.1f} s"
+            for c in ctxs
+        ]
+        print(f"  {name:16} " + "; ".join(parts))
+    print("per request (context:ms/token, * = prompt mostly served from the prefix cache), in run order:")
+    for key, name in (("mla", base), ("mla_fp8", "FP8")):
+        items = [
+            f"{r['context']}:{1e3 * r['decode_s_per_token']:.1f}" + ("*" if (r["num_cached_tokens"] or 0) > 0 else "")
+            for r in res["runs"]
+            if r["model"] == key
+        ]
+        print(f"  {name:16} " + ", ".join(items))
+    agree = s["agreeing_prefix_tokens"]
+    print(
+        "identical leading output tokens FP8 vs "
+        + base
+        + " (of the first 16; FP8 is lossy), per rep: "
+        + "; ".join(f"{c}: {agree[c]}" for c in ctxs)
+    )
+    for key, name in (("mla", base), ("mla_fp8", "FP8")):
+        info = res["engines"][key]
+        print(
+            f"{name}: block_size {info['block_size']}, {info['num_blocks']} blocks, compilation "
+            f"{info['compilation_mode']}, startup {info['startup_s']:.0f} s"
+        )
+        for line in info["log_concurrency"]:
+            print(f"  log: {line.strip()}")
+
+
 def report(res: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.latent_fp8:
+        return report_latent_fp8(res, args)
     s, ctxs = res["summary"], args.contexts
     lo, hi = min(ctxs), max(ctxs)
     print(
@@ -582,7 +653,7 @@ def run(args: argparse.Namespace, root: Path, log_dir: Path, running: contextlib
     kv = builtin_kv_bytes(cfg, lengths, args.max_num_batched_tokens)
     kv_bytes = args.kv_cache_bytes or kv["bytes"]
     engine_kw = dict(
-        dtype="float32",
+        dtype=args.dtype,
         max_model_len=max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=kv_bytes,
@@ -599,7 +670,13 @@ def run(args: argparse.Namespace, root: Path, log_dir: Path, running: contextlib
         f"{'eager' if args.enforce_eager else 'compiled'}; contexts {args.contexts}, {args.reps} reps, "
         f"output {args.output_len}"
     )
-    profile_dirs = {k: log_dir / f"profile-{k}" for k in MODELS}
+    # key: (checkpoint, extra engine kwargs); the first two keys are the measured pair
+    variants = (
+        {"mla": (dirs["mla"], {}), "mla_fp8": (dirs["mla"], {"additional_config": FP8_LATENT})}
+        if args.latent_fp8
+        else {"mla": (dirs["mla"], {}), "afmoe": (dirs["afmoe"], {})}
+    )
+    profile_dirs = {k: log_dir / f"profile-{k}" for k in variants}
     engines: dict[str, local.EngineChild] = {}
     result: dict[str, Any] = {
         "args": vars(args),
@@ -609,17 +686,19 @@ def run(args: argparse.Namespace, root: Path, log_dir: Path, running: contextlib
         "kv_budget_one_request": kv_one,
         "kv_cache_bytes": kv_bytes,
         "plugin_state": local.plugin_state(REPO),
+        "variants": {k: {"model_dir": str(d), **extra} for k, (d, extra) in variants.items()},
     }
     t0 = time.perf_counter()
-    for key in MODELS:  # start both at once: start-up is not measured
-        kw = dict(engine_kw)
+    info = {}
+    for key, (model_dir, extra) in variants.items():  # one after the other: never two start-ups at once
+        kw = {**engine_kw, **extra}
         if args.profile:
             for f in profile_dirs[key].glob("*"):
                 f.unlink()
             profile_dirs[key].mkdir(parents=True, exist_ok=True)
             kw["profile_dir"] = str(profile_dirs[key])
-        engines[key] = running.enter_context(start_engine(key, dirs[key], kw, log_dir / f"{key}.log"))
-    info = {key: eng.wait() for key, eng in engines.items()}
+        engines[key] = running.enter_context(start_engine(key, model_dir, kw, log_dir / f"{key}.log"))
+        info[key] = engines[key].wait()
     for key, eng in engines.items():
         info[key]["log_concurrency"] = eng.grep(r"Maximum concurrency")
         info[key]["log_groups"] = eng.grep(r"(?i)kv cache group|hybrid kv cache|treating sliding")
@@ -632,7 +711,9 @@ def run(args: argparse.Namespace, root: Path, log_dir: Path, running: contextlib
     t0 = time.perf_counter()
     result["runs"] = measure(engines, args, args.output_len)
     result["measure_s"] = time.perf_counter() - t0
-    result["summary"] = summarize(result["runs"], args.contexts)
+    result["summary"] = summarize(
+        result["runs"], args.contexts, ("mla_fp8", "mla") if args.latent_fp8 else ("mla", "afmoe")
+    )
     if args.profile:
         result["profile"] = run_profiles(engines, args, cfg, profile_dirs, result["runs"])
     return result
@@ -649,7 +730,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import vllm
 
-    print("== MLA-Trinity vs built-in AFMoE: decode time per token at long context")
+    what = f"{args.dtype} vs FP8 latent" if args.latent_fp8 else "MLA-Trinity vs built-in AFMoE"
+    print(f"== {what}: decode time per token at long context")
     print(f"vllm {vllm.__version__}; plugin source: {local.plugin_state(REPO)}")
     with local.scratch_dir(args.model_dir, "bench-trinity-decode-") as root, contextlib.ExitStack() as running:
         result = run(args, root, log_dir, running)

@@ -107,12 +107,13 @@ def latent_decode(
     seq_lens: torch.Tensor,
     scale: float,
     block_size: int,
+    latent_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLA-Trinity's absorbed latent decode (latent_decode.py): one query per sequence, [B, H, hd] fp32, from the
     layer's `AbsorbedWeights` (gamma, w_k, w_v, scale) and the batch's `PagedLatents` (cache, key_scales,
-    block_table, seq_lens >= 1, block_size)."""
+    block_table, seq_lens >= 1, block_size, and an FP8 cache's per-token latent_scales)."""
     w = AbsorbedWeights(gamma, w_k, w_v, scale)
-    h = PagedLatents(cache, key_scales, block_table, seq_lens, block_size)
+    h = PagedLatents(cache, key_scales, block_table, seq_lens, block_size, latent_scales)
     runner = kernel_runner(q.device)
     if runner is None:
         return latent_decode_torch(q, w, h)
@@ -120,7 +121,7 @@ def latent_decode(
 
 
 @latent_decode.register_fake
-def _(q, gamma, w_k, w_v, cache, key_scales, block_table, seq_lens, scale, block_size):  # noqa: ANN001, ANN202
+def _(q, gamma, w_k, w_v, cache, key_scales, block_table, seq_lens, scale, block_size, latent_scales=None):  # noqa: ANN001, ANN202
     return q.new_empty(q.shape, dtype=torch.float32)
 
 

@@ -11,6 +11,11 @@ row_i = block_table[b, i // bs] * bs + i % bs. K and V are never formed: every c
 read once and used by both products; s_g,i = 1 / rms(W_k,g c_i) is the exact per-key norm scale
 the model computes once at cache-write time (model_executors/latent_attention.py).
 
+An FP8 latent cache (Trainium2 E4M3, |x| <= 240, `quantize_latents`) stores each latent as codes c8_i with one
+float32 dequantization scale d_i per token (`latent_scales`): c_i = d_i * fp32(c8_i), and s_g,i is computed from
+that c_i (the latent as stored). d_i is per token like s_g,i, so the decode folds it into the two per-key factors
+instead of scaling the r-wide tile: score_i = scale * (q~_h . c8_i) * (d_i s_g,i) and u_h = sum_i (p_i d_i) c8_i.
+
 Where each form lives:
 - `latent_decode_reference` (here): the definition in plain fp32 torch, each sequence's rows gathered
   and a full softmax. It is the reference the tests compare the torch path and the NKI kernel against
@@ -30,6 +35,8 @@ from typing import NamedTuple
 
 import torch
 
+from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, quantize_per_token
+
 DECODE_TILE = 2048  # keys per tile of the torch path (rounded to whole cache blocks)
 _workspace: dict[tuple[torch.dtype, torch.device, bool], torch.Tensor] = {}
 
@@ -47,13 +54,15 @@ class AbsorbedWeights(NamedTuple):
 class PagedLatents(NamedTuple):
     """A batch's latent history in vLLM's paged cache: cache [N, r] or [num_blocks, bs, r], key_scales [N, Hkv] fp32
     (paged alike), block_table [B, max_blocks], seq_lens [B]; key i of sequence b is row
-    block_table[b, i // block_size] * block_size + i % block_size."""
+    block_table[b, i // block_size] * block_size + i % block_size. An FP8 cache (float8_e4m3fn codes) comes with
+    latent_scales [N] fp32 (paged alike), its per-token dequantization scales; a cache in a float dtype with None."""
 
     cache: torch.Tensor
     key_scales: torch.Tensor
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     block_size: int
+    latent_scales: torch.Tensor | None = None
 
     def lengths(self, num_queries: int) -> list[int]:
         """L_b of every sequence as host ints, checked: one per query, 1 <= L_b <= the blocks block_table holds."""
@@ -69,16 +78,45 @@ class PagedLatents(NamedTuple):
         return lens
 
 
+def quantize_latents(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latents [T, r] -> (FP8 codes [T, r] float8_e4m3fn, |code| <= 240; dequantization scales [T] fp32): one scale
+    per token from its absolute maximum (fp8_expert.quantize_per_token, the activations' rounding), so no finite
+    latent saturates and none becomes NaN; c_i = d_i * fp32(code_i)."""
+    return quantize_per_token(latent)
+
+
+def dequantize_latents(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """c_i = d_i * fp32(code_i): [T, r] fp32."""
+    return codes.float() * scales.float()[:, None]
+
+
+def check_latent_scales(h: PagedLatents) -> None:
+    """An FP8 cache needs its dequantization scales, one per row; a float cache has none."""
+    fp8 = h.cache.dtype == FP8_DTYPE
+    if fp8 != (h.latent_scales is not None):
+        raise ValueError(
+            f"latent cache of dtype {h.cache.dtype} with{'' if h.latent_scales is not None else 'out'} latent_scales: "
+            "an FP8 cache needs its per-token dequantization scales, a float cache has none"
+        )
+    if fp8 and h.latent_scales.numel() * h.cache.shape[-1] != h.cache.numel():
+        raise ValueError(
+            f"latent_scales holds {h.latent_scales.numel()} rows, the cache {h.cache.numel() // h.cache.shape[-1]}"
+        )
+
+
 def latent_decode_reference(q: torch.Tensor, w: AbsorbedWeights, h: PagedLatents) -> torch.Tensor:
-    """The op's definition: gather each sequence's rows, full softmax, all in fp32."""
+    """The op's definition: gather each sequence's rows (an FP8 cache dequantized), full softmax, all in fp32."""
     B, H, hd = q.shape
     Hkv, _, r = w.w_k.shape
+    check_latent_scales(h)
     cache, key_scales, bs = h.cache.reshape(-1, r), h.key_scales.reshape(-1, Hkv), h.block_size
     out = torch.empty(B, H, hd, dtype=torch.float32, device=q.device)
     for b, L in enumerate(h.lengths(B)):
         i = torch.arange(L, device=q.device)
         rows = h.block_table[b].long()[i // bs] * bs + i % bs
         c = cache[rows].float()  # [L, r]
+        if h.latent_scales is not None:
+            c = dequantize_latents(cache[rows], h.latent_scales.reshape(-1)[rows])
         qg = (q[b].float() * w.gamma.float()).view(Hkv, H // Hkv, hd)
         q_lat = torch.einsum("gjd,gdr->gjr", qg, w.w_k.float())
         score = w.scale * torch.einsum("gjr,lr->gjl", q_lat, c) * key_scales[rows].float().t()[:, None, :]
@@ -111,10 +149,12 @@ def _absorbed_decode(
     w: AbsorbedWeights,
     cache_blocks: torch.Tensor,
     scale_blocks: torch.Tensor,
+    latent_scale_blocks: torch.Tensor | None,
     block_ids: torch.Tensor,
     length: int,
 ) -> torch.Tensor:
-    """One query q [H, hd] over the first `length` cached latents, in tiles with an online softmax."""
+    """One query q [H, hd] over the first `length` cached latents, in tiles with an online softmax (an FP8 tile's
+    dequantization scales folded into the per-key factors, module docstring)."""
     H, hd = q.shape
     Hkv, _, r = w.w_k.shape
     group, bs = H // Hkv, cache_blocks.shape[1]
@@ -129,11 +169,14 @@ def _absorbed_decode(
         n = min(length - start * bs, ids.numel() * bs)
         c = gather_blocks(cache_blocks, ids, n).float()
         key_scale = scale_blocks[ids].view(-1, Hkv)[:n].t() * w.scale  # [Hkv, n]
+        d = None if latent_scale_blocks is None else latent_scale_blocks[ids].reshape(-1)[:n].float()
+        if d is not None:
+            key_scale = key_scale * d
         scores = ((q_lat @ c.t()).view(Hkv, group, n) * key_scale[:, None, :]).view(H, n)
         m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
         alpha, p = torch.exp(m - m_new), torch.exp(scores - m_new)
         l = l * alpha + p.sum(-1, keepdim=True)
-        u = u * alpha + p @ c  # the weighted sum stays in latent space
+        u = u * alpha + (p if d is None else p * d) @ c  # the weighted sum stays in latent space
         m = m_new
     u = (u / l).view(Hkv, group, r)
     return torch.einsum("gjr,gdr->gjd", u, w.w_v).reshape(H, hd)
@@ -145,9 +188,11 @@ def latent_decode_torch(q: torch.Tensor, w: AbsorbedWeights, h: PagedLatents) ->
     B, H, hd = q.shape
     Hkv, _, r = w.w_k.shape
     bs = h.block_size
+    check_latent_scales(h)
     cache_blocks, scale_blocks = h.cache.view(-1, bs, r), h.key_scales.view(-1, bs, Hkv)
+    latent_scale_blocks = None if h.latent_scales is None else h.latent_scales.view(-1, bs)
     out = torch.empty(B, H, hd, dtype=torch.float32, device=q.device)
     for b, L in enumerate(h.lengths(B)):
         ids = h.block_table[b, : -(-L // bs)].long()
-        out[b] = _absorbed_decode(q[b], w, cache_blocks, scale_blocks, ids, L)
+        out[b] = _absorbed_decode(q[b], w, cache_blocks, scale_blocks, latent_scale_blocks, ids, L)
     return out

@@ -42,28 +42,49 @@ Tiling (P = 128 partitions; H = 32, Hkv = 4, hd = 128, r = 256 at full size; RC 
   PSUM bank [G, Hkv * hd] (stationary u^T of group g, moving W_v,g^T chunk), one DMA to out[b].
 PSUM: 7 sites of one 2 KiB bank each (a scratch bank for setup and per-sequence work, the output
 bank, and per tile C^T, scores, scores^T, p^T, p^T C). SBUF per partition at full size: 20.4 KiB
-at bucket 2304, 21.8 KiB at 16640.
+at bucket 2304, 21.8 KiB at 16640 (FP8 cache: 20.6 and 22.0 KiB).
+
+FP8 latent cache (`latent_scales` given: codes float8_e4m3, |code| <= 240, c_i = d_i * code_i; the op's
+docstring). The tile moves as FP8, 1 B per element (half of bf16's HBM bytes), and its keys' d_i
+[128 keys, 1] fp32 come in one more indirect gather with the same indices (4 B per key). d_i is folded
+into the per-key factors, never into the r-wide tile: keys are on the partitions both where the scores
+get their key scale and where p^T leaves PSUM, so d_i is a per-partition scalar there and costs no
+instruction of its own:
+  1'. after the gathers, C8 is copied on chip to a bf16 tile C (exact: every E4M3 value is a bf16
+     value) because the TensorE has no FP8 transpose [L-ABT] and fp32 operands pair only with fp32;
+     C then feeds steps 2 and 6 as a bf16 cache's tile does (C^T copied out as fp32);
+  3'. scores = (sc_ps * d_i) * S in one scalar_tensor_tensor (instead of the tensor_tensor);
+  5'. p stays fp32 (the activation's output) and is PE-transposed as fp32;
+  6'. p^T d_i is the PSUM eviction (tensor_scalar, instead of the tensor_copy), rounded once to bf16,
+     the stationary of the bf16 x bf16 matmul with C.
+Per tile: 3 DMAs, the same PE instructions, 10 ScalarE/VectorE instructions (the upcast). (FP8 x bf16
+matmul operands are allowed on trn2, but C^T needs the bf16 copy anyway.)
 Masked keys never put a NaN into a product: a skipped gather leaves the zeroed or an earlier
 tile's (finite) rows in its buffer, selection replaces their scores, and their p = 0 meets only
-finite latents in p^T C.
+finite latents (and finite d_i) in p^T C.
 
 DMA traffic per call (HBM side; `latent_decode_cost` gives the formulas): the latents and key
-scales of the L_b valid keys of every sequence exactly once (skipped rows move nothing), the row
-table (4 B x bucket per sequence), q, out, both weights and gamma once, seq_lens x 128. The
-analytic minimum is the same without the row table and the seq_lens broadcast: at full size,
-B = 32 and 2k-16k context the kernel moves at most 0.9% more.
+scales (and an FP8 cache's dequantization scales) of the L_b valid keys of every sequence exactly
+once (skipped rows move nothing), the row table (4 B x bucket per sequence), q, out, both weights
+and gamma once, seq_lens x 128. The analytic minimum is the same without the row table and the
+seq_lens broadcast: at full size, B = 32 and 2k-16k context the kernel moves at most 0.9% more.
+Per valid key at full size: 512 + 16 B with a bf16 cache, 256 + 16 + 4 B with an FP8 one.
 
-Numerics contract. The only rounding below fp32 is p, cast to the cache dtype for the p^T C
-matmul (its operands must pair with the latents); q~, C^T (copied out as fp32) and the score
-matmul are fp32, the query and output projections are fp32 whatever the weights' dtype, every
-matmul accumulates in fp32 PSUM, and the softmax state is fp32. So with an fp32 cache the kernel
-equals the fp32 torch reference to fp32 rounding (summation order, online vs full softmax, scale
-folded into q); with a bf16 cache out_h moves by at most 2^-8 sum_i p_i |v_i|. The score path stays
-in fp32 because q~ . c cancels heavily: rounding q~ to bf16 as well costs several times that error
-(docs/kernels.md).
+Numerics contract. The only rounding below fp32 is p, cast to the cache dtype for the p^T C matmul (its
+operands must pair with the latents; with an FP8 cache p d_i, cast to bf16); q~, C^T (copied out as
+fp32) and the score matmul are fp32, the query and output projections are fp32 whatever the weights'
+dtype, every matmul accumulates in fp32 PSUM, and the softmax state is fp32. So with an fp32 cache the
+kernel equals the fp32 torch reference to fp32 rounding (summation order, online vs full softmax, scale
+folded into q); with a bf16 cache out_h moves by at most 2^-8 sum_i p_i |v_i|. With an FP8 cache the
+reference is the dequantized latents c_i = d_i code_i: the codes enter both matmuls exactly, the scores'
+d_i s_g,i is fp32, and the one rounding is p_i d_i (formed in fp32) to bf16, so out_h moves by at most
+2^-8 sum_i p_i |v_i| as with bf16 (the FP8 quantization itself is the cache's, not the kernel's). The
+score path stays in fp32 because q~ . c cancels heavily: rounding q~ to bf16 as well costs several times
+that error (docs/kernels.md).
 Bit-exact: every sequence of a batch runs the same instruction sequence on the same shapes
 (nothing is batched across sequences), so each output row equals the sequence's single-sequence
-run; NaN or garbage in cache rows, key scales or table entries past L_b changes no bit.
+run; NaN or garbage in cache rows, key scales, dequantization scales or table entries past L_b
+changes no bit.
 """
 
 from __future__ import annotations
@@ -73,7 +94,7 @@ from typing import Any
 
 import torch
 
-from vllm_trn_plugin.kernels.latent_decode import AbsorbedWeights, PagedLatents
+from vllm_trn_plugin.kernels.latent_decode import AbsorbedWeights, PagedLatents, check_latent_scales
 from vllm_trn_plugin.kernels.nki_shim import nisa, nki, nl
 
 P = 128  # partitions; keys per tile
@@ -83,12 +104,13 @@ FLT_MAX = 3.4028234663852886e38
 
 
 @nki.jit
-def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, scale):
+def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, scale, latent_scales=None):
     """Absorbed latent decode attention for B sequences of one query token each.
 
     q [B, H, hd] (after q_norm), gamma [hd] (k_norm weight), w_k / w_v [Hkv, hd, r],
     cache [N, r] latents, key_scales [N, Hkv] fp32, rows [B, bucket] int32 (row of key i),
-    seq_lens [B] int32 (1 <= L_b <= bucket), scale: float. Returns out [B, H, hd] fp32.
+    seq_lens [B] int32 (1 <= L_b <= bucket), scale: float; latent_scales [N] or [N, 1] fp32 with an FP8
+    cache (its per-key dequantization scales d_i), None with a float cache. Returns out [B, H, hd] fp32.
     B, the bucket (rows.shape[1], a multiple of 128) and all sizes are compile-time; limits:
     hd <= 128, H <= 128, r a multiple of 128 and <= 512, Hkv * hd <= 512 (one PSUM bank each for
     p^T C and the output). Tiling and numerics: the module docstring.
@@ -102,6 +124,8 @@ def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, 
     RC = r // P
     cdt = cache.dtype
     f32 = nl.float32
+    fp8 = latent_scales is not None  # an FP8 cache (the wrapper checks the pairing: check_latent_scales)
+    mdt = nl.bfloat16 if fp8 else cdt  # dtype of the latents' PE operands (the TensorE has no FP8 transpose)
     out = nl.ndarray((B, H, hd), dtype=f32, buffer=nl.shared_hbm)
 
     # ---- once per call ----
@@ -128,6 +152,9 @@ def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, 
     nisa.memset(dst=c_buf, value=0.0)
     s_buf = nl.ndarray((P, NBUF, Hkv), dtype=f32, buffer=nl.sbuf)
     nisa.memset(dst=s_buf, value=0.0)
+    if fp8:
+        d_buf = nl.ndarray((P, NBUF, 1), dtype=f32, buffer=nl.sbuf)  # d_i, keys on partitions
+        nisa.memset(dst=d_buf, value=0.0)
 
     for b in range(B):
         # ---- row indices: rows past L_b become the out-of-range row (never read) ----
@@ -182,9 +209,21 @@ def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, 
                 src=key_scales.ap([[Hkv, P], [1, Hkv]], offset=0, vector_offset=idx[:, t : t + 1], indirect_dim=0),
                 oob_mode=nisa.oob_mode.skip,
             )
-            cT_ps = nl.ndarray((P, RC, P), dtype=cdt, buffer=nl.psum)
+            if fp8:
+                d_t = d_buf[:, k, :]
+                nisa.dma_copy(
+                    dst=d_t,
+                    src=latent_scales.ap([[1, P], [1, 1]], offset=0, vector_offset=idx[:, t : t + 1], indirect_dim=0),
+                    oob_mode=nisa.oob_mode.skip,
+                )
+                # the codes as bf16 (exact: every E4M3 value is a bf16 value), on chip: the DMA moved 1 B each
+                c_mm = nl.ndarray((P, r), dtype=mdt, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=c_mm, src=c_t)
+            else:
+                c_mm = c_t
+            cT_ps = nl.ndarray((P, RC, P), dtype=mdt, buffer=nl.psum)
             for c in range(RC):
-                nisa.nc_transpose(dst=cT_ps[:, c, :], data=c_t[:, c * P : (c + 1) * P])
+                nisa.nc_transpose(dst=cT_ps[:, c, :], data=c_mm[:, c * P : (c + 1) * P])
             cT = nl.ndarray((P, RC, P), dtype=f32, buffer=nl.sbuf)
             nisa.tensor_copy(dst=cT, src=cT_ps)
 
@@ -192,12 +231,22 @@ def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, 
             for c in range(RC):
                 nisa.nc_matmul(dst=sc_ps, stationary=cT[:, c, :], moving=qt[:, c, :], accumulate=c > 0)
             sc = nl.ndarray((P, Hkv, G), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_tensor(
-                dst=sc,
-                data1=sc_ps.reshape((P, Hkv, G)),
-                data2=s_t.expand_dim(2).broadcast(2, G),
-                op=nl.multiply,
-            )
+            if fp8:  # (q~ . code_i) d_i s_g,i: d_i is a per-partition scalar here, same instruction count
+                nisa.scalar_tensor_tensor(
+                    dst=sc,
+                    data=sc_ps.reshape((P, Hkv, G)),
+                    op0=nl.multiply,
+                    operand0=d_t,
+                    op1=nl.multiply,
+                    operand1=s_t.expand_dim(2).broadcast(2, G),
+                )
+            else:
+                nisa.tensor_tensor(
+                    dst=sc,
+                    data1=sc_ps.reshape((P, Hkv, G)),
+                    data2=s_t.expand_dim(2).broadcast(2, G),
+                    op=nl.multiply,
+                )
             scT_ps = nl.ndarray((H, P), dtype=f32, buffer=nl.psum)  # heads on partitions
             nisa.nc_transpose(dst=scT_ps, data=sc.reshape((P, H)))
 
@@ -222,7 +271,7 @@ def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, 
             nisa.tensor_scalar(dst=nm_new, data=t_max, op0=nl.multiply, operand0=-1.0, op1=nl.minimum, operand1=nm_old)
             alpha = nl.ndarray((H, 1), dtype=f32, buffer=nl.sbuf)  # exp(m_old - m_new)
             nisa.activation(dst=alpha, op=nl.exp, data=nm_old, bias=nm_new, scale=-1.0)
-            p = nl.ndarray((H, P), dtype=cdt, buffer=nl.sbuf)
+            p = nl.ndarray((H, P), dtype=f32 if fp8 else cdt, buffer=nl.sbuf)
             row_sum = nl.ndarray((H, 1), dtype=f32, buffer=nl.sbuf)
             nisa.activation(
                 dst=p,
@@ -238,12 +287,15 @@ def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, 
                 dst=l_sum, data=l_sum, op0=nl.multiply, operand0=alpha, op1=nl.add, operand1=row_sum
             )
 
-            pT_ps = nl.ndarray((P, H), dtype=cdt, buffer=nl.psum)
+            pT_ps = nl.ndarray((P, H), dtype=p.dtype, buffer=nl.psum)
             nisa.nc_transpose(dst=pT_ps, data=p)
-            pT = nl.ndarray((P, H), dtype=cdt, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=pT, src=pT_ps)
+            pT = nl.ndarray((P, H), dtype=mdt, buffer=nl.sbuf)
+            if fp8:  # p_i d_i, keys on partitions: the PSUM eviction does it, rounded to bf16 once
+                nisa.tensor_scalar(dst=pT, data=pT_ps, op0=nl.multiply, operand0=d_t)
+            else:
+                nisa.tensor_copy(dst=pT, src=pT_ps)
             u_ps = nl.ndarray((H, r), dtype=f32, buffer=nl.psum)
-            nisa.nc_matmul(dst=u_ps, stationary=pT, moving=c_t, accumulate=False)
+            nisa.nc_matmul(dst=u_ps, stationary=pT, moving=c_mm, accumulate=False)
             nisa.scalar_tensor_tensor(dst=U, data=U, op0=nl.multiply, operand0=alpha, op1=nl.add, operand1=u_ps)
 
         # ---- out_b = W_v,g (U / l) ----
@@ -305,9 +357,12 @@ def latent_decode_nki(
     power of two, L_b <= bucket), picks the smallest bucket holding max(L_b) unless `bucket` is
     given (a multiple of 128; tests use small ones), expands the block table into the per-key row
     table (the only layout work) and calls `runner(latent_decode_kernel)(...)`. The cache may be
-    [num_blocks, bs, r] or [rows, r] and the key scales [..., Hkv] (reshaped, not copied); every
-    tensor goes in its own dtype.
+    [num_blocks, bs, r] or [rows, r], the key scales [..., Hkv] and an FP8 cache's latent_scales
+    [num_blocks, bs] or [rows] (reshaped, not copied; `check_latent_scales` checks the pairing); every
+    tensor goes in its own dtype. A float cache calls the kernel with the same arguments as before the
+    FP8 variant existed.
     """
+    check_latent_scales(h)
     bs = h.block_size
     if bs < 1 or bs & (bs - 1):
         raise ValueError(f"block_size {bs} is not a power of two")
@@ -322,9 +377,10 @@ def latent_decode_nki(
     cache = h.cache.reshape(-1, h.cache.shape[-1])
     key_scales = h.key_scales.reshape(-1, h.key_scales.shape[-1])
     rows = row_table(h.block_table, lens.to(h.block_table.device), bs, bucket, cache.shape[0])
-    out = runner(latent_decode_kernel)(
-        q, w.gamma, w.w_k, w.w_v, cache, key_scales, rows, lens.to(torch.int32).to(q.device), float(w.scale)
-    )
+    args = (q, w.gamma, w.w_k, w.w_v, cache, key_scales, rows, lens.to(torch.int32).to(q.device), float(w.scale))
+    if h.latent_scales is not None:
+        args += (h.latent_scales.reshape(-1),)
+    out = runner(latent_decode_kernel)(*args)
     return out.float()
 
 
@@ -339,18 +395,23 @@ def latent_decode_cost(
     q_bytes: int = 2,
     w_bytes: int = 2,
     gamma_bytes: int = 2,
+    fp8: bool = False,
 ) -> dict[str, int]:
     """Per-call cost of `latent_decode_kernel` for a batch with these context lengths.
 
-    DMA bytes are counted on the HBM side, skipped (out-of-range) gather rows move nothing.
-    Returns HBM->SBUF and SBUF->HBM bytes, their sum `dma_bytes`, the analytic minimum
-    `dma_bytes_min` (every valid latent and key scale once, q, out, weights, gamma), the DMA, matmul
-    and PE-transpose instruction counts and the matmuls' multiply-accumulates.
+    `cache_bytes` is the latent cache's element size; `fp8=True` is an FP8 cache (1 byte per latent
+    element whatever `cache_bytes` says, plus its 4-byte dequantization scale per key, one more
+    gather per tile). DMA bytes are counted on the HBM side, skipped (out-of-range) gather rows move
+    nothing. Returns HBM->SBUF and SBUF->HBM bytes, their sum `dma_bytes`, the analytic minimum
+    `dma_bytes_min` (every valid latent, key scale and dequantization scale once, q, out, weights,
+    gamma), `latent_bytes` (the latent elements of the valid keys, the part FP8 halves against bf16),
+    the DMA, matmul and PE-transpose instruction counts and the matmuls' multiply-accumulates.
     """
     B, n_keys = len(seq_lens), sum(seq_lens)
     bucket = pick_bucket(max(seq_lens)) if bucket is None else bucket
     NT, RC = bucket // P, r // P
-    per_key = r * cache_bytes + Hkv * 4
+    latent_bytes = r * (1 if fp8 else cache_bytes)
+    per_key = latent_bytes + Hkv * 4 + (4 if fp8 else 0)
     weights = 2 * Hkv * hd * r * w_bytes
     to_sbuf = hd * gamma_bytes + P * B * 4 + weights + B * (bucket * 4 + H * hd * q_bytes) + n_keys * per_key
     to_hbm = B * H * hd * 4
@@ -359,7 +420,8 @@ def latent_decode_cost(
         "dma_sbuf_to_hbm_bytes": to_hbm,
         "dma_bytes": to_sbuf + to_hbm,
         "dma_bytes_min": n_keys * per_key + B * H * hd * (q_bytes + 4) + weights + hd * gamma_bytes,
-        "dma_instructions": 4 + B * (3 + 2 * NT),
+        "latent_bytes": n_keys * latent_bytes,
+        "dma_instructions": 4 + B * (3 + (3 if fp8 else 2) * NT),
         "matmul_instructions": B * (2 * RC * Hkv + NT * (RC + 1)),
         "transpose_instructions": Hkv * RC + B * (1 + RC + NT * (RC + 2)),
         "matmul_macs": B * (2 * H * hd * r + NT * 2 * P * H * r),

@@ -14,7 +14,9 @@ the latent is written, and kept in a per-layer side store indexed by the same sl
 token; docs/mla-trinity.md has the measurements behind this choice).
 
 The cache is vLLM's `MLAAttentionSpec(num_kv_heads=1, head_size=r)`: one r-wide row per token,
-managed by vLLM's full-attention block manager beside the sliding-window groups.
+managed by vLLM's full-attention block manager beside the sliding-window groups. In the model dtype, or in
+Trainium2's FP8 (E4M3, |x| <= 240) with one fp32 dequantization scale per token in a second side store
+(`latent_cache_dtype`; kernels/latent_decode.py has the math): half the latent bytes at bf16.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
 
 from vllm_trn_plugin.kernels import dispatch
-from vllm_trn_plugin.kernels.latent_decode import gather_blocks
+from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE
+from vllm_trn_plugin.kernels.latent_decode import dequantize_latents, gather_blocks, quantize_latents
 
 # Under vLLM's logger tree: vLLM configures only that one, so an INFO line elsewhere is dropped.
 logger = init_logger(f"vllm.{__name__}")
@@ -63,10 +66,32 @@ def kv_heads_of_rank(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:
     return range(head, head + 1)
 
 
+LATENT_CACHE_DTYPE = "latent_cache_dtype"  # the --additional-config key
+LATENT_CACHE_DTYPES = ("auto", "fp8", "model")
+
+
+def latent_cache_dtype(vllm_config: VllmConfig) -> torch.dtype:
+    """The latent cache's dtype, from ``--additional-config '{"latent_cache_dtype": ...}'``: "fp8" puts the latent in
+    Trainium2's FP8 (E4M3, per-token scales) whatever --kv-cache-dtype says; "model" keeps it in the model dtype;
+    "auto" (the default) follows --kv-cache-dtype: FP8 when that is an FP8 type (the sliding layers then FP8 too),
+    else the model dtype. ("fp8" alone is for hosts where vLLM refuses an FP8 cache for the sliding layers, as its
+    CPU attention does without AVX-512.)"""
+    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    choice = extra.get(LATENT_CACHE_DTYPE, "auto")
+    if choice not in LATENT_CACHE_DTYPES:
+        raise ValueError(
+            f"--additional-config {LATENT_CACHE_DTYPE}={choice!r}: expected one of {', '.join(LATENT_CACHE_DTYPES)}"
+        )
+    fp8_kv = str(vllm_config.cache_config.cache_dtype).startswith("fp8")
+    return FP8_DTYPE if choice == "fp8" or (choice == "auto" and fp8_kv) else vllm_config.model_config.dtype
+
+
 def key_scale_bytes_per_latent_byte(config, dtype: torch.dtype, tp_size: int = 1) -> float:  # noqa: ANN001
-    """The key-scale store's bytes per byte of latent cache on one rank: one fp32 per KV head of the rank per r-wide
-    latent row (every rank caches the whole latent)."""
-    return len(kv_heads_of_rank(config.num_key_value_heads, tp_size, 0)) * 4 / (config.kv_lora_rank * dtype.itemsize)
+    """The side stores' bytes per byte of latent cache (in `dtype`) on one rank: one fp32 key scale per KV head of the
+    rank per r-wide latent row (every rank caches the whole latent), and for an FP8 latent its fp32 dequantization
+    scale."""
+    per_row = len(kv_heads_of_rank(config.num_key_value_heads, tp_size, 0)) * 4 + (4 if dtype == FP8_DTYPE else 0)
+    return per_row / (config.kv_lora_rank * dtype.itemsize)
 
 
 def reserve_key_scale_budget(vllm_config: VllmConfig) -> None:
@@ -85,13 +110,14 @@ def reserve_key_scale_budget(vllm_config: VllmConfig) -> None:
         return
     ratio = key_scale_bytes_per_latent_byte(
         vllm_config.model_config.hf_config,
-        vllm_config.model_config.dtype,
+        latent_cache_dtype(vllm_config),
         vllm_config.parallel_config.tensor_parallel_size,
     )
     cache.kv_cache_memory_bytes = int(budget / (1 + ratio))
     _reserved[id(cache)] = cache.kv_cache_memory_bytes
     logger.info(
-        "MLA-Trinity: %d of the %d B KV cache budget reserved for the key-scale stores (%.2f%% of the latent bytes)",
+        "MLA-Trinity: %d of the %d B KV cache budget reserved for the latent layers' scale stores (%.2f%% of the "
+        "latent bytes)",
         budget - cache.kv_cache_memory_bytes,
         budget,
         100 * ratio,
@@ -193,7 +219,9 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         self.o_proj = RowParallelLinear(H * hd, config.hidden_size, bias=False, prefix=f"{prefix}.o_proj")
         self.q_norm = RMSNorm(hd, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps)
+        self.latent_dtype = latent_cache_dtype(get_current_vllm_config())
         self.key_scales: torch.Tensor | None = None  # [cache rows, Hkv] fp32, beside kv_cache
+        self.latent_scales: torch.Tensor | None = None  # [cache rows] fp32, beside an FP8 kv_cache
         self.kv_cache = torch.tensor([])
         self._kv_weights_key: tuple[int, int] | None = None
 
@@ -206,13 +234,13 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         return LatentAttentionBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        # The latent is kept in the model dtype whatever --kv-cache-dtype says (that applies to the
-        # sliding layers): one r-wide row per token.
+        # One r-wide row per token, in `latent_cache_dtype` (an FP8 row is half a bf16 one, and vLLM's pool and
+        # concurrency follow the spec's page size; the scale stores come out of the budget at build).
         return MLAAttentionSpec(
             block_size=vllm_config.cache_config.block_size,
             num_kv_heads=1,
             head_size=self.kv_lora_rank,
-            dtype=vllm_config.model_config.dtype,
+            dtype=latent_cache_dtype(vllm_config),
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -277,9 +305,18 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         (later versions call bind_kv_cache, and assign an empty tensor to unbind)."""
         if self.__dict__.get("_kv_cache") is kv_cache:
             return
-        self.__dict__["_kv_cache"] = kv_cache
         rows = kv_cache.numel() // self.kv_lora_rank
-        self.key_scales = torch.full((rows, self.num_kv_heads), float("nan"), device=kv_cache.device) if rows else None
+        if rows and kv_cache.dtype != self.latent_dtype:
+            raise ValueError(
+                f"{self.prefix}: latent cache of dtype {kv_cache.dtype}, the layer's spec is {self.latent_dtype}"
+            )
+        self.__dict__["_kv_cache"] = kv_cache
+
+        def store(*shape: int) -> torch.Tensor | None:
+            return torch.full((rows, *shape), float("nan"), device=kv_cache.device) if rows else None
+
+        self.key_scales = store(self.num_kv_heads)
+        self.latent_scales = store() if self.latent_dtype == FP8_DTYPE else None
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
@@ -299,9 +336,11 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         Wk, Wv = self._kv_weights()
         valid = meta.slot_mapping >= 0
         slots = meta.slot_mapping[valid]
-        new = latent[:T][valid].to(cache.dtype)
-        cache[slots] = new
-        scales[slots] = self.key_scale(new, Wk)  # from the latent as stored
+        rows, dequant = self.stored_latents(latent[:T][valid])
+        cache[slots] = rows
+        if dequant is not None:
+            self.latent_scales[slots] = dequant
+        scales[slots] = self.key_scale(self.latent_values(rows, dequant), Wk)  # from the latent as stored
 
         out = output[:T].view(T, self.num_heads, self.head_dim)
         cache_blocks = cache.view(-1, bs, r)
@@ -318,16 +357,33 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
                 seq_lens[:nd],
                 self.scaling,
                 bs,
+                self.latent_scales,
             )
             out[:nd] = decoded.to(out.dtype)
         scale_blocks = scales.view(-1, bs, self.num_kv_heads)
+        dequant_blocks = None if self.latent_scales is None else self.latent_scales.view(-1, bs)
         for b in range(nd, len(seq_lens)):
             L = int(seq_lens[b])
             s, e = int(qsl[b]), int(qsl[b + 1])
             ids = meta.block_table[b, : -(-L // bs)]
             c = gather_blocks(cache_blocks, ids, L)
+            c = self.latent_values(c, None if dequant_blocks is None else dequant_blocks[ids].reshape(-1)[:L])
             out[s:e] = self._prefill(q[s:e], c, scale_blocks[ids].view(-1, self.num_kv_heads)[:L], Wk, Wv).to(out.dtype)
         output[T:] = 0
+
+    def stored_latents(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Latents [n, r] as the cache stores them: (rows to write, their dequantization scales [n] fp32 or None).
+        FP8: Trainium2 E4M3 codes with one scale per token (kernels/latent_decode.quantize_latents); else the rows in
+        the cache dtype."""
+        if self.latent_dtype == FP8_DTYPE:
+            return quantize_latents(latent)
+        return latent.to(self.latent_dtype), None
+
+    @staticmethod
+    def latent_values(rows: torch.Tensor, dequant: torch.Tensor | None) -> torch.Tensor:
+        """The latents that stored cache rows [n, r] hold: the rows themselves, or FP8 codes times their per-token
+        dequantization scales [n] (fp32). Prefill, the key scales and decode all read these values."""
+        return rows if dequant is None else dequantize_latents(rows, dequant)
 
     def _prefill(
         self, q: torch.Tensor, c: torch.Tensor, s: torch.Tensor, Wk: torch.Tensor, Wv: torch.Tensor

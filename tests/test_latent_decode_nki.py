@@ -5,7 +5,8 @@ attention in float64 (`expanded_float64`, here).
 Inputs are built the way the model holds them: a paged latent cache whose unwritten rows are NaN,
 a key-scale side store (NaN where never written, 1 / rms(W_k,g c) where written), shuffled
 block tables whose entries past a sequence's used blocks are stale (other sequences' blocks,
-never-written blocks, 0).
+never-written blocks, 0). An FP8 cache (`FP8`) holds `quantize_latents` codes with their per-token
+dequantization scales (NaN where never written) and key scales computed from the dequantized latents.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from vllm_trn_plugin.kernels.latent_decode import (
     DECODE_TILE,
     AbsorbedWeights,
     PagedLatents,
+    dequantize_latents,
     gather_blocks,
     latent_decode_reference,
     latent_decode_torch,
+    quantize_latents,
 )
 from vllm_trn_plugin.kernels.latent_decode_nki import (
     BUCKETS,
@@ -38,6 +41,7 @@ from vllm_trn_plugin.kernels.nki_shim import simulate
 REAL = dict(H=32, Hkv=4, hd=128, r=256)
 SMALL = dict(H=8, Hkv=2, hd=64, r=128)
 EPS = 1e-5
+FP8 = torch.float8_e4m3fn
 
 
 class Case(NamedTuple):
@@ -72,6 +76,7 @@ def make_case(
     w_v = torch.randn(Hkv, hd, r, generator=g) / math.sqrt(r)
     cache = torch.full((n_blocks * block_size, r), float("nan"), dtype=cache_dtype)
     key_scales = torch.full((n_blocks * block_size, Hkv), float("nan"))
+    latent_scales = torch.full((n_blocks * block_size,), float("nan")) if cache_dtype == FP8 else None
     used = 0
     for b, L in enumerate(lens):
         ids = perm[used : used + need[b]]
@@ -82,8 +87,13 @@ def make_case(
         table[b, need[b] :] = stale.repeat(max_blocks)[: max_blocks - need[b]]
         i = torch.arange(L)
         rows = ids[i // block_size] * block_size + i % block_size
-        c = torch.randn(L, r, generator=g).to(cache_dtype)
-        cache[rows] = c
+        c = torch.randn(L, r, generator=g)
+        if cache_dtype == FP8:  # the latent as stored: codes and scales, s_g,i from their product
+            cache[rows], latent_scales[rows] = quantize_latents(c)
+            c = dequantize_latents(cache[rows], latent_scales[rows])
+        else:
+            c = c.to(cache_dtype)
+            cache[rows] = c
         k = (c.float() @ w_k.to(w_dtype).float().reshape(Hkv * hd, r).t()).view(L, Hkv, hd)
         key_scales[rows] = torch.rsqrt(k.pow(2).mean(-1) + EPS)
     q = (2.0 * torch.randn(len(lens), H, hd, generator=g)).to(q_dtype)
@@ -92,7 +102,7 @@ def make_case(
     return Case(
         q,
         AbsorbedWeights(gamma, w_k, w_v, hd**-0.5),
-        PagedLatents(cache, key_scales, table, torch.tensor(lens), block_size),
+        PagedLatents(cache, key_scales, table, torch.tensor(lens), block_size, latent_scales),
     )
 
 
@@ -112,6 +122,8 @@ def expanded_float64(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         i = torch.arange(L)
         rows = h.block_table[b].long()[i // bs] * bs + i % bs
         c = h.cache.reshape(-1, h.cache.shape[-1])[rows].double()
+        if h.latent_scales is not None:  # FP8: the dequantized latents d_i * code_i, exact in float64
+            c = c * h.latent_scales.reshape(-1)[rows].double()[:, None]
         s = h.key_scales.reshape(-1, Hkv)[rows].double().t()[:, :, None]  # [Hkv, L, 1]
         kv = (c @ w_kv.t()).view(L, 2, Hkv, hd).permute(1, 2, 0, 3)  # [2, Hkv, L, hd]
         k = w.gamma.double() * kv[0] * s
@@ -133,10 +145,13 @@ def assert_close(out: torch.Tensor, case: Case, ref: torch.Tensor | None = None)
     The kernel's one low-precision step is p in the cache dtype for the p^T C matmul (the
     operands must pair with the latents); rounding p to bf16 (unit roundoff 2^-8) moves out_h by
     at most 2^-8 sum_i p_i |v_i| elementwise. Everything else is fp32 (scores, softmax state, PSUM):
-    1e-5 of the output scale covers it.
+    1e-5 of the output scale covers it. An FP8 cache is compared with its dequantized latents (the op's
+    definition): its codes enter the matmuls exactly (as bf16), and its one rounding is p_i d_i, formed
+    in fp32 and rounded to bf16 once, so out_h moves by at most 2^-8 sum_i p_i d_i |W_v code_i| =
+    2^-8 sum_i p_i |v_i|, the bf16 bound.
     """
     f64, mix = expanded_float64(case)
-    p_round = 2.0**-8 if case.h.cache.dtype == torch.bfloat16 else 0.0
+    p_round = 2.0**-8 if case.h.cache.dtype in (torch.bfloat16, FP8) else 0.0
     bound = p_round * mix + 1e-5 * f64.abs().amax(dim=(1, 2), keepdim=True)
     assert torch.isfinite(out).all()
     assert ((out.double() - f64).abs() <= bound).all(), float(((out.double() - f64).abs() / bound).max())
@@ -151,8 +166,19 @@ def assert_close(out: torch.Tensor, case: Case, ref: torch.Tensor | None = None)
         ([1, 77, 200, 256], 32, SMALL, (torch.bfloat16, torch.bfloat16, torch.bfloat16), 384),
         ([300, 2304, 1], 128, REAL, (torch.bfloat16, torch.bfloat16, torch.float32), None),
         ([3000, 129, 4352], 512, REAL, (torch.float32, torch.float32, torch.float32), None),
+        ([1, 77, 200, 256], 16, SMALL, (FP8, torch.bfloat16, torch.float32), 256),
+        ([300, 2304, 1], 128, REAL, (FP8, torch.bfloat16, torch.float32), None),
+        ([3000, 129, 4352], 512, REAL, (FP8, torch.float32, torch.float32), None),
     ],
-    ids=["fp32-small-bs16", "bf16-small-bs32", "bf16-real-2304-bs128", "fp32-real-4352-bs512"],
+    ids=[
+        "fp32-small-bs16",
+        "bf16-small-bs32",
+        "bf16-real-2304-bs128",
+        "fp32-real-4352-bs512",
+        "fp8-small-bs16",
+        "fp8-real-2304-bs128",
+        "fp8-real-4352-bs512",
+    ],
 )
 def test_kernel_matches_reference_and_float64(
     lens: list[int], block_size: int, geometry: dict[str, int], dtypes: tuple[torch.dtype, ...], bucket: int | None
@@ -165,6 +191,9 @@ def test_kernel_matches_reference_and_float64(
     out = run_kernel(case, bucket=bucket)
     assert out.dtype == torch.float32 and out.shape == case.q.shape
     assert_close(out, case, ref)
+    if cache_dtype == FP8:  # the torch path folds d_i the kernel's way
+        got = latent_decode_torch(*case)
+        assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
 
 
 def subset(case: Case, idx: list[int]) -> Case:
@@ -172,7 +201,8 @@ def subset(case: Case, idx: list[int]) -> Case:
     return Case(case.q[idx], case.w, h)
 
 
-def test_every_batch_size_equals_single_sequence_runs() -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_every_batch_size_equals_single_sequence_runs(cache_dtype: torch.dtype) -> None:
     """Batches 1..32 drawn in shuffled orders from 32 sequences: each row bit-equal to its own run.
 
     A one-tile bucket keeps the 560 sequence runs quick; what differs between batch sizes is the
@@ -181,7 +211,7 @@ def test_every_batch_size_equals_single_sequence_runs() -> None:
     g = torch.Generator().manual_seed(5)
     lens = torch.randint(1, 129, (32,), generator=g).tolist()
     lens[:3] = [1, 127, 128]
-    case = make_case(lens, 16, **REAL, seed=2)
+    case = make_case(lens, 16, **REAL, cache_dtype=cache_dtype, seed=2)
     single = [run_kernel(subset(case, [i]), bucket=128)[0] for i in range(32)]
     assert_close(torch.stack(single), case)
     for n in range(1, 33):
@@ -191,14 +221,27 @@ def test_every_batch_size_equals_single_sequence_runs() -> None:
             assert torch.equal(out[j], single[i]), (n, j, i)
 
 
-@pytest.mark.parametrize("bucket, block_size", [(2304, 16), (4352, 128), (8448, 512), (16640, 64)])
-def test_context_lengths_at_bucket_edges(bucket: int, block_size: int) -> None:
-    """Real geometry and bucket; L = 1, 127, 128, 129, bucket - 1, bucket in one batch."""
+@pytest.mark.parametrize(
+    "bucket, block_size, cache_dtype",
+    [
+        (2304, 16, torch.bfloat16),
+        (4352, 128, torch.bfloat16),
+        (8448, 512, torch.bfloat16),
+        (16640, 64, torch.bfloat16),
+        (2304, 16, FP8),
+        (16640, 64, FP8),
+    ],
+    ids=["2304-16-bf16", "4352-128-bf16", "8448-512-bf16", "16640-64-bf16", "2304-16-fp8", "16640-64-fp8"],
+)
+def test_context_lengths_at_bucket_edges(bucket: int, block_size: int, cache_dtype: torch.dtype) -> None:
+    """Real geometry and bucket; L = 1, 127, 128, 129, bucket - 1, bucket in one batch. An FP8 cache at the smallest
+    and the largest bucket (what differs between buckets is the tile count, the same for both dtypes; the FP8
+    kernel's 4352-key bucket runs in test_kernel_matches_reference_and_float64)."""
     lens = [1, 127, 128, 129, bucket - 1, bucket]
     assert pick_bucket(bucket) == bucket and pick_bucket(bucket - 1) == bucket
-    case = make_case(lens, block_size, **REAL, seed=bucket)
+    case = make_case(lens, block_size, **REAL, cache_dtype=cache_dtype, seed=bucket)
     assert_close(run_kernel(case), case)
-    over = make_case([bucket + 1], block_size, **REAL, seed=3)
+    over = make_case([bucket + 1], block_size, **REAL, cache_dtype=cache_dtype, seed=3)
     with pytest.raises(ValueError, match="exceeds the kernel's bucket"):
         run_kernel(over, bucket=bucket)
     if bucket == BUCKETS[-1]:
@@ -208,17 +251,26 @@ def test_context_lengths_at_bucket_edges(bucket: int, block_size: int) -> None:
         assert pick_bucket(bucket + 1) == BUCKETS[BUCKETS.index(bucket) + 1]
 
 
-def test_unwritten_rows_and_stale_table_entries_have_no_effect() -> None:
-    """NaN or garbage in never-written cache rows / key scales and in table entries past L changes no bit."""
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_unwritten_rows_and_stale_table_entries_have_no_effect(cache_dtype: torch.dtype) -> None:
+    """NaN or garbage in never-written cache rows / key scales (and an FP8 cache's dequantization scales) and in
+    table entries past L changes no bit."""
     lens = [5, 200, 129]
-    case = make_case(lens, 16, **REAL, seed=4, spare_blocks=6)
+    case = make_case(lens, 16, **REAL, cache_dtype=cache_dtype, seed=4, spare_blocks=6)
     base = run_kernel(case, bucket=384)
     assert_close(base, case)
     (q, w, h) = case
     unwritten = torch.isnan(h.key_scales[:, 0])
     assert unwritten.sum() > 6 * 16  # spare blocks and the tails of partly used blocks
     garbage = h._replace(cache=h.cache.clone(), key_scales=h.key_scales.clone(), block_table=h.block_table.clone())
-    garbage.cache[unwritten] = 3e4
+    if cache_dtype == FP8:
+        assert torch.isnan(h.latent_scales[unwritten]).all() and torch.isnan(h.cache[unwritten].float()).all()
+        garbage = garbage._replace(latent_scales=h.latent_scales.clone())
+        # the largest code, times a huge scale (written as bits: torch has no masked fill for FP8)
+        garbage.cache.view(torch.uint8)[unwritten] = torch.tensor(240.0).to(FP8).view(torch.uint8)
+        garbage.latent_scales[unwritten] = 3e4
+    else:
+        garbage.cache[unwritten] = 3e4
     garbage.key_scales[unwritten] = -7.0
     for b, L in enumerate(lens):
         garbage.block_table[b, -(-L // 16) :] = 2**30  # far out of range
@@ -229,17 +281,19 @@ def test_unwritten_rows_and_stale_table_entries_have_no_effect() -> None:
     rows = row_table(h.block_table, h.seq_lens, 16, 384, h.cache.shape[0])
     nan_row = int(torch.nonzero(unwritten)[0])
     rows[rows == h.cache.shape[0]] = nan_row
+    fp8_args = () if h.latent_scales is None else (h.latent_scales,)
     out = simulate(latent_decode_kernel)(
-        q, w.gamma, w.w_k, w.w_v, h.cache, h.key_scales, rows, h.seq_lens.int(), w.scale
+        q, w.gamma, w.w_k, w.w_v, h.cache, h.key_scales, rows, h.seq_lens.int(), w.scale, *fp8_args
     )
     assert torch.equal(out, base)
 
 
-def test_torch_path_agrees_with_reference() -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_torch_path_agrees_with_reference(cache_dtype: torch.dtype) -> None:
     """The model's torch path (`latent_decode_torch`: one sequence at a time, DECODE_TILE-key tiles, online softmax)
     computes the same op, across a tile boundary."""
     lens = [1, 300, DECODE_TILE + 700]
-    case = make_case(lens, 16, **REAL, seed=6)
+    case = make_case(lens, 16, **REAL, cache_dtype=cache_dtype, seed=6)
     ref = latent_decode_reference(*case)
     got = latent_decode_torch(*case)
     for b in range(len(lens)):
@@ -268,6 +322,49 @@ def test_counters_equal_cost_formula() -> None:
     assert c.dma_bytes < 1.02 * cost["dma_bytes_min"]
 
 
+def test_fp8_counters_equal_cost_formula_and_halve_the_latent_bytes() -> None:
+    """An FP8 cache at the shape of `test_counters_equal_cost_formula`: counters equal `latent_decode_cost(fp8=True)`,
+    and against the bf16 cache of the same latents the kernel moves exactly r bytes less per valid key (2r -> r latent
+    bytes) and 4 more (its dequantization scale): every other byte and every PE instruction is the same, one more
+    gather per tile."""
+    lens, r = [100, 2304, 1000, 2000], REAL["r"]
+    bf16 = make_case(lens, 128, **REAL, seed=7)
+    fp8 = make_case(lens, 128, **REAL, cache_dtype=FP8, seed=7)
+    run_kernel(bf16)
+    c16 = nki_emu.last_counters()
+    # the FP8 cache and its scales as vLLM allocates them: [num_blocks, block_size, ...]
+    h = fp8.h._replace(
+        cache=fp8.h.cache.view(-1, 128, r),
+        key_scales=fp8.h.key_scales.view(-1, 128, REAL["Hkv"]),
+        latent_scales=fp8.h.latent_scales.view(-1, 128),
+    )
+    paged = fp8._replace(h=h)
+    assert torch.equal(run_kernel(paged), run_kernel(fp8))
+    c8 = nki_emu.last_counters()
+    cost = latent_decode_cost(lens, w_bytes=4, fp8=True)
+    for key in ("dma_hbm_to_sbuf_bytes", "dma_sbuf_to_hbm_bytes", "dma_bytes", "dma_instructions"):
+        assert getattr(c8, key) == cost[key], key
+    for key in ("matmul_instructions", "transpose_instructions", "matmul_macs"):
+        assert getattr(c8, key) == cost[key] == getattr(c16, key), key
+    n_keys = sum(lens)
+    assert c16.dma_bytes - c8.dma_bytes == n_keys * (r - 4)
+    assert c8.dma_instructions - c16.dma_instructions == len(lens) * 2304 // 128
+    cost16 = latent_decode_cost(lens, w_bytes=4)
+    assert cost16["latent_bytes"] == 2 * cost["latent_bytes"] == 2 * n_keys * r
+    assert cost16["dma_bytes"] - cost["dma_bytes"] == cost["latent_bytes"] - 4 * n_keys
+    assert cost["dma_bytes"] - cost["dma_bytes_min"] == len(lens) * (2304 * 4 + 128 * 4)
+    # per tile one more gather and one more on-chip instruction (the codes' bf16 upcast, a tensor_copy); the d_i
+    # folds ride on instructions the bf16 kernel has anyway: the score scaling becomes a scalar_tensor_tensor, the
+    # p^T eviction (a tensor_copy) a tensor_scalar; plus the d buffer's memset
+    ops16, ops8, tiles = c16.instructions, c8.instructions, len(lens) * 2304 // 128
+    assert ops8.get("tensor_tensor", 0) == ops16["tensor_tensor"] - tiles
+    assert ops8["scalar_tensor_tensor"] == ops16["scalar_tensor_tensor"] + tiles
+    assert ops8["tensor_scalar"] == ops16["tensor_scalar"] + tiles
+    assert ops8["tensor_copy"] == ops16["tensor_copy"]
+    assert ops8["memset"] == ops16["memset"] + 1
+    assert sum(ops8.values()) - sum(ops16.values()) == 2 * tiles + 1
+
+
 def test_wrapper_rejects_what_the_kernel_cannot_run() -> None:
     case = make_case([40, 17], 16, **SMALL, seed=8)
 
@@ -284,23 +381,42 @@ def test_wrapper_rejects_what_the_kernel_cannot_run() -> None:
         run_kernel(case, bucket=100)
 
 
-def test_prefill_and_decode_normalise_keys_alike() -> None:
+def test_wrapper_rejects_a_cache_and_latent_scales_that_do_not_pair() -> None:
+    """A float cache with latent_scales, an FP8 cache without, or scales for another number of rows: an error, not a
+    silently wrong decode."""
+    fp8 = make_case([40, 17], 16, **SMALL, cache_dtype=FP8, seed=8)
+    bf16 = make_case([40, 17], 16, **SMALL, seed=8)
+    with pytest.raises(ValueError, match="without latent_scales"):
+        run_kernel(fp8._replace(h=fp8.h._replace(latent_scales=None)), bucket=128)
+    with pytest.raises(ValueError, match="with latent_scales"):
+        run_kernel(bf16._replace(h=bf16.h._replace(latent_scales=fp8.h.latent_scales)), bucket=128)
+    with pytest.raises(ValueError, match="latent_scales holds"):
+        run_kernel(fp8._replace(h=fp8.h._replace(latent_scales=fp8.h.latent_scales[:-16])), bucket=128)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_prefill_and_decode_normalise_keys_alike(cache_dtype: torch.dtype) -> None:
     """The model's prefill (K rebuilt from the latents) and its absorbed decode give the same attention for the
     same query, in bf16 too: both read each key's scale from the store, so a request's last prompt token (prefill)
-    and a decode step at the same position see the same keys (before, prefill normalised K rounded to bf16)."""
+    and a decode step at the same position see the same keys (before, prefill normalised K rounded to bf16). From
+    an FP8 cache both read the latents as stored: prefill dequantizes them, decode folds the scales in."""
+    import functools
     from types import SimpleNamespace
 
     from vllm_trn_plugin.model_executors.latent_attention import TrinityLatentAttention
 
-    case = make_case([700, 129], block_size=64, **REAL, cache_dtype=torch.bfloat16, q_dtype=torch.bfloat16)
+    case = make_case([700, 129], block_size=64, **REAL, cache_dtype=cache_dtype, q_dtype=torch.bfloat16)
     decoded = latent_decode_torch(*case)
     (q, w, h) = case
     layer = SimpleNamespace(k_norm=SimpleNamespace(weight=w.gamma), scaling=w.scale)
+    layer.rebuilt_attention = functools.partial(TrinityLatentAttention.rebuilt_attention, layer)
     Hkv, r, bs = w.w_k.shape[0], w.w_k.shape[2], h.block_size
     worst = 0.0
     for b, L in enumerate(h.seq_lens.tolist()):
         ids = h.block_table[b, : -(-L // bs)].long()
         c = gather_blocks(h.cache.view(-1, bs, r), ids, L)
+        d = None if h.latent_scales is None else h.latent_scales.view(-1, bs)[ids].reshape(-1)[:L]
+        c = TrinityLatentAttention.latent_values(c, d)
         s = h.key_scales.view(-1, bs, Hkv)[ids].reshape(-1, Hkv)[:L]
         got = TrinityLatentAttention._prefill(layer, q[b : b + 1], c, s, w.w_k, w.w_v)[0]
         worst = max(worst, float((got - decoded[b]).abs().max() / decoded[b].abs().max()))

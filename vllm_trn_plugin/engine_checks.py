@@ -162,7 +162,10 @@ class LaplaceEngineChecks(MambaModelConfig):
 class TrinityMLAEngineChecks(VerifyAndUpdateConfig):
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        from vllm_trn_plugin.model_executors.latent_attention import latent_cache_dtype
+
         _refuse_layout(vllm_config, "TrinityMLAForCausalLM")
+        latent_cache_dtype(vllm_config)  # an unknown --additional-config latent_cache_dtype fails here, not in a worker
         _refuse_features(
             vllm_config,
             "TrinityMLAForCausalLM",

@@ -63,15 +63,15 @@ mla-trinity)
     # 2 logical cores (the compressed model fits in 2 x 24 GiB; 32 replicas per instance). Decode walks
     # the latent cache over a loop fixed per context bucket: 2,304 / 4,352 / 8,448 / 16,640 tokens
     # (prompts of 2k/4k/8k/16k plus 256 output tokens); the last is max_model_len itself.
-    # --kv-cache-dtype fp8: the plugin keeps the FP8 cache on the sliding-window layers and the 256-wide
-    # latent in bf16 (FP8 latent decode is blocked on device, see docs/serving-trn2.md).
+    # --kv-cache-dtype fp8 for the sliding-window layers; the 256-wide latent stays bf16
+    # ("latent_cache_dtype": "model"): the Beta contract adapter has no FP8 latent yet (docs/trainium.md).
     args=(
         --tensor-parallel-size 2
         --max-model-len 16640
         --max-num-seqs 8
         --max-num-batched-tokens 2048
         --kv-cache-dtype fp8
-        --additional-config '{"neuron_config": {"num_seqs_buckets": [1, 2, 4, 8], "num_batched_tokens_buckets": [512, 1024, 2048], "decode_context_length_buckets": [2304, 4352, 8448]}}'
+        --additional-config '{"neuron_config": {"num_seqs_buckets": [1, 2, 4, 8], "num_batched_tokens_buckets": [512, 1024, 2048], "decode_context_length_buckets": [2304, 4352, 8448]}, "latent_cache_dtype": "model"}'
     )
     ;;
 *)

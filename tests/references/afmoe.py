@@ -235,6 +235,44 @@ def load_hf_model(model_dir: str | Path) -> Any:
     return model
 
 
+class _FP8LatentProjection(torch.nn.Module):
+    """k_proj or v_proj of a latent layer as the FP8 latent cache computes it: rows of kv_b_proj applied to the
+    latent kv_a_proj x rounded to Trainium2 FP8 per token (references.packed.fp8_activation), in float64."""
+
+    def __init__(self, kv_a: torch.Tensor, kv_b_rows: torch.Tensor) -> None:
+        super().__init__()
+        self.kv_a, self.kv_b_rows = kv_a.double(), kv_b_rows.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from tests.references.packed import fp8_activation
+
+        latent = x.double() @ self.kv_a.t()
+        shape = latent.shape
+        rounded = fp8_activation(latent.reshape(-1, shape[-1])).reshape(shape)
+        return (rounded @ self.kv_b_rows.t()).to(x.dtype)
+
+
+def fp8_latent_model(mla_dir: str | Path) -> Any:
+    """transformers' AfmoeForCausalLM for an MLA-Trinity checkpoint, in float64, whose latent layers see their
+    latents rounded to FP8 as an FP8 latent cache stores them (one scale per token): a copy of `load_hf_model`'s
+    model with those layers' k_proj / v_proj computed through the rounded latent."""
+    import copy
+
+    cfg = json.loads((Path(mla_dir) / "config.json").read_text())
+    tensors = read_safetensors_dir(Path(mla_dir))
+    kv = cfg["num_key_value_heads"] * (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    model = copy.deepcopy(load_hf_model(mla_dir)).double()
+    model.config._experts_implementation = "eager"  # transformers' grouped-GEMM experts take no float64
+    for i, kind in enumerate(cfg["layer_types"]):
+        if kind != "full_attention":
+            continue
+        p = f"model.layers.{i}.self_attn."
+        a, b = tensors[p + "kv_a_proj.weight"], tensors[p + "kv_b_proj.weight"]
+        attn = model.model.layers[i].self_attn
+        attn.k_proj, attn.v_proj = _FP8LatentProjection(a, b[:kv]), _FP8LatentProjection(a, b[kv:])
+    return model.eval()
+
+
 @torch.no_grad()
 def teacher_forced_logits(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """The logits [len(tokens), vocab] (float64) from which a model fed `prompt` then `tokens` (teacher forcing)

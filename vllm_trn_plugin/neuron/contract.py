@@ -150,6 +150,16 @@ def _adapter_vllm_config(hf_config: Any) -> Any:
     tp = parallel_state.get_tp_group().world_size if parallel_state.model_parallel_is_initialized() else 1
 
     current = _current_vllm_config()
+    if current is not None and getattr(hf_config, "kv_lora_rank", None) is not None:
+        from vllm_trn_plugin.model_executors.latent_attention import LATENT_CACHE_DTYPE, latent_cache_dtype
+
+        if latent_cache_dtype(current) != current.model_config.dtype:
+            raise NotImplementedError(
+                "the Beta contract adapter keeps MLA-Trinity's latent cache in the model dtype: its static step has no "
+                "FP8 latent yet (the vLLM path has). Serve with --additional-config "
+                f'\'{{"{LATENT_CACHE_DTYPE}": "model"}}\' (added to the neuron_config there), or without an FP8 '
+                "--kv-cache-dtype"
+            )
     if current is not None:
         mc = current.model_config
         model, dtype, max_len = mc.model, mc.dtype, mc.max_model_len
