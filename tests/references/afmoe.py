@@ -235,27 +235,33 @@ def load_hf_model(model_dir: str | Path) -> Any:
     return model
 
 
-class _FP8LatentProjection(torch.nn.Module):
-    """k_proj or v_proj of a latent layer as the FP8 latent cache computes it: rows of kv_b_proj applied to the
-    latent kv_a_proj x rounded to Trainium2 FP8 per token (references.packed.fp8_activation), in float64."""
+def _round_latent(latent: torch.Tensor, cache_dtype: str) -> torch.Tensor:
+    """Latents [..., r] (float64) as a latent cache of `cache_dtype` stores them: "fp8", Trainium2 FP8 with one scale
+    per token (references.packed.fp8_activation); "bf16", bfloat16."""
+    from tests.references.packed import fp8_activation
 
-    def __init__(self, kv_a: torch.Tensor, kv_b_rows: torch.Tensor) -> None:
+    if cache_dtype == "bf16":
+        return latent.to(torch.bfloat16).double()
+    return fp8_activation(latent.reshape(-1, latent.shape[-1])).reshape(latent.shape)
+
+
+class _CachedLatentProjection(torch.nn.Module):
+    """k_proj or v_proj of a latent layer as a latent cache of `cache_dtype` computes it: rows of kv_b_proj applied to
+    the latent kv_a_proj x as the cache stores it, in float64."""
+
+    def __init__(self, kv_a: torch.Tensor, kv_b_rows: torch.Tensor, cache_dtype: str) -> None:
         super().__init__()
-        self.kv_a, self.kv_b_rows = kv_a.double(), kv_b_rows.double()
+        self.kv_a, self.kv_b_rows, self.cache_dtype = kv_a.double(), kv_b_rows.double(), cache_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from tests.references.packed import fp8_activation
-
-        latent = x.double() @ self.kv_a.t()
-        shape = latent.shape
-        rounded = fp8_activation(latent.reshape(-1, shape[-1])).reshape(shape)
-        return (rounded @ self.kv_b_rows.t()).to(x.dtype)
+        latent = _round_latent(x.double() @ self.kv_a.t(), self.cache_dtype)
+        return (latent @ self.kv_b_rows.t()).to(x.dtype)
 
 
-def fp8_latent_model(mla_dir: str | Path) -> Any:
+def cached_latent_model(mla_dir: str | Path, cache_dtype: str = "fp8") -> Any:
     """transformers' AfmoeForCausalLM for an MLA-Trinity checkpoint, in float64, whose latent layers see their
-    latents rounded to FP8 as an FP8 latent cache stores them (one scale per token): a copy of `load_hf_model`'s
-    model with those layers' k_proj / v_proj computed through the rounded latent."""
+    latents as a latent cache of `cache_dtype` ("fp8": one scale per token; "bf16") stores them: a copy of
+    `load_hf_model`'s model with those layers' k_proj / v_proj computed through the stored latent."""
     import copy
 
     cfg = json.loads((Path(mla_dir) / "config.json").read_text())
@@ -269,7 +275,8 @@ def fp8_latent_model(mla_dir: str | Path) -> Any:
         p = f"model.layers.{i}.self_attn."
         a, b = tensors[p + "kv_a_proj.weight"], tensors[p + "kv_b_proj.weight"]
         attn = model.model.layers[i].self_attn
-        attn.k_proj, attn.v_proj = _FP8LatentProjection(a, b[:kv]), _FP8LatentProjection(a, b[kv:])
+        attn.k_proj = _CachedLatentProjection(a, b[:kv], cache_dtype)
+        attn.v_proj = _CachedLatentProjection(a, b[kv:], cache_dtype)
     return model.eval()
 
 
