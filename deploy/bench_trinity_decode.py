@@ -474,6 +474,27 @@ def run_profiles(  # noqa: ANN201
 # --- report ----------------------------------------------------------------------------------------------
 
 
+def _print_spread_and_runs(res: dict[str, Any], ctxs: list[int], names: dict[str, str]) -> None:
+    """Per engine (`names`: summary key -> label): min-max ms/token and median prefill per context, then every
+    request's ms/token in run order."""
+    s = res["summary"]
+    print("spread (min-max ms/token) and prefill (median s):")
+    for key, name in names.items():
+        parts = [
+            f"{c}: {s[key][c]['min']:.2f}-{s[key][c]['max']:.2f}, prefill {s[key][c]['prefill_s_median']:.1f} s"
+            for c in ctxs
+        ]
+        print(f"  {name:16} " + "; ".join(parts))
+    print("per request (context:ms/token, * = prompt mostly served from the prefix cache), in run order:")
+    for key, name in names.items():
+        items = [
+            f"{r['context']}:{1e3 * r['decode_s_per_token']:.1f}" + ("*" if (r["num_cached_tokens"] or 0) > 0 else "")
+            for r in res["runs"]
+            if r["model"] == key
+        ]
+        print(f"  {name:16} " + ", ".join(items))
+
+
 def report_latent_fp8(res: dict[str, Any], args: argparse.Namespace) -> None:
     """--latent-fp8: MLA-Trinity's decode with the latent in the model dtype vs in FP8, side by side."""
     s, ctxs = res["summary"], args.contexts
@@ -490,21 +511,7 @@ def report_latent_fp8(res: dict[str, Any], args: argparse.Namespace) -> None:
         f"{'FP8 / ' + base:22}" + "".join(f"{s['mla_fp8'][c]['median'] / s['mla'][c]['median']:>10.2f}" for c in ctxs)
     )
     print(f"{'  (pairwise med.)':22}" + "".join(f"{statistics.median(s['pair_ratios'][c]):>10.2f}" for c in ctxs))
-    print("spread (min-max ms/token) and prefill (median s):")
-    for key, name in (("mla", base), ("mla_fp8", "FP8")):
-        parts = [
-            f"{c}: {s[key][c]['min']:.2f}-{s[key][c]['max']:.2f}, prefill {s[key][c]['prefill_s_median']:.1f} s"
-            for c in ctxs
-        ]
-        print(f"  {name:16} " + "; ".join(parts))
-    print("per request (context:ms/token, * = prompt mostly served from the prefix cache), in run order:")
-    for key, name in (("mla", base), ("mla_fp8", "FP8")):
-        items = [
-            f"{r['context']}:{1e3 * r['decode_s_per_token']:.1f}" + ("*" if (r["num_cached_tokens"] or 0) > 0 else "")
-            for r in res["runs"]
-            if r["model"] == key
-        ]
-        print(f"  {name:16} " + ", ".join(items))
+    _print_spread_and_runs(res, ctxs, {"mla": base, "mla_fp8": "FP8"})
     agree = s["agreeing_prefix_tokens"]
     print(
         "identical leading output tokens FP8 vs "
@@ -542,21 +549,8 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"{'MLA / built-in':18}{row}{'':>12}  < 1 at {hi} (MLA faster)")
     row = "".join(f"{statistics.median(s['pair_ratios'][c]):>10.2f}" for c in ctxs)
     print(f"{'  (pairwise med.)':18}{row}")
-    print("\nspread (min-max ms/token) and prefill (median s):")
-    for key in MODELS:
-        parts = [
-            f"{c}: {s[key][c]['min']:.2f}-{s[key][c]['max']:.2f}, prefill {s[key][c]['prefill_s_median']:.1f} s"
-            for c in ctxs
-        ]
-        print(f"  {LABEL[key]:16} " + "; ".join(parts))
-    print("per request (context:ms/token, * = prompt mostly served from the prefix cache), in run order:")
-    for key in MODELS:
-        items = [
-            f"{r['context']}:{1e3 * r['decode_s_per_token']:.1f}" + ("*" if (r["num_cached_tokens"] or 0) > 0 else "")
-            for r in res["runs"]
-            if r["model"] == key
-        ]
-        print(f"  {LABEL[key]:16} " + ", ".join(items))
+    print()
+    _print_spread_and_runs(res, ctxs, {key: LABEL[key] for key in MODELS})
     agree = s["agreeing_prefix_tokens"]
     print(
         "same function check: identical leading output tokens MLA vs built-in (of the first 16), per rep: "
