@@ -216,3 +216,37 @@ def test_beta_adapter_refuses_an_fp8_latent(pair: tuple[Any, Any]) -> None:
     cfg = args.create_engine_config()
     with set_current_vllm_config(cfg), pytest.raises(NotImplementedError, match="latent_cache_dtype"):
         TrinityMLABetaModel.from_configs(cfg.model_config.hf_config, {})
+
+
+@pytest.mark.vllm
+def test_fp8_latent_at_tp2_equals_the_float64_model_with_the_same_rounding(pair: tuple[Any, Any]) -> None:
+    """Tensor parallel 2: every rank caches the whole latent in FP8 (its own scale stores beside it) and serves its
+    own heads from it; the greedy tokens and logits are those of the float64 model with the latent rounded alike,
+    within LOGIT_TOL, as at TP 1."""
+    _, mla = pair
+    prompts = random_prompts(2, [5, 200], seed=31)
+    with worker_functions_allowed():
+        llm = raw_logits_llm(
+            mla,
+            VOCAB,
+            tensor_parallel_size=2,
+            max_num_seqs=4,
+            max_num_batched_tokens=None,
+            kv_cache_memory_bytes=128 << 20,
+            enforce_eager=True,
+            additional_config=FP8_LATENT,
+        )
+        try:
+            ranks = llm.apply_model(latent_caches)
+            outs = llm.generate(token_prompts(prompts), greedy_params(8, logprobs=VOCAB), use_tqdm=False)
+        finally:
+            del llm
+            gc.collect()
+    assert len(ranks) == 2
+    for caches in ranks:
+        assert all(c["dtype"] == str(FP8_DTYPE) and c["latent_scales"] == c["rows"] > 0 for c in caches), caches
+    rounded, worst = cached_latent_model(mla, "fp8"), [0.0]
+    for p, out in zip(prompts, outs):
+        check_against_hf_greedy(
+            out, hf_greedy(rounded, p, 8), f"FP8 latent at TP 2, prompt of {len(p)}", LOGIT_TOL, worst
+        )
