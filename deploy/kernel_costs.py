@@ -6,8 +6,8 @@ minimum, instruction counts, and an estimated Trainium2 time (a roofline estimat
 Counts come from each kernel's cost formula (kernels/*_nki.py); first, for one shape per kernel, the
 kernel is run in the NKI emulator and its counters are checked equal to the formula (the kernel tests
 check more shapes; the latent decode with a bf16 and with an FP8 latent cache). The second table sets the
-latent decode with an FP8 latent cache (`quantize_latents`: 1 B per element + a 4 B scale per key) beside the
-bf16 cache at each context bucket filled. The estimate is max(HBM time, TensorE time) for one physical
+latent decode with an FP8 latent cache (`fp8_expert.quantize_per_token`: 1 B per element + a 4 B scale per key)
+beside the bf16 cache at each context bucket filled. The estimate is max(HBM time, TensorE time) for one physical
 NeuronCore-v3 (the kernels are called at LNC=1): HBM 2.9 TB/s per Trainium2 chip shared by its 8 NeuronCores, TensorE
 79 TFLOPS bf16 dense, 2x that for FP8 double-row, 1/4 of it for fp32 operands (fp32 matmuls take four
 passes: an assumption, the public docs give bf16 and FP8 rates only). Not modelled: instruction issue
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from vllm_trn_plugin.kernels import fp8_expert_nki, latent_decode_nki, simple_gla_nki
-from vllm_trn_plugin.kernels.fp8_expert import ExpertWeights
-from vllm_trn_plugin.kernels.latent_decode import AbsorbedWeights, PagedLatents, quantize_latents
+from vllm_trn_plugin.kernels.fp8_expert import ExpertWeights, quantize_per_token
+from vllm_trn_plugin.kernels.latent_decode import AbsorbedWeights, PagedLatents
 from vllm_trn_plugin.kernels.nki_shim import nki, simulate
 
 HBM_BYTES_PER_S = 2.9e12 / 8
@@ -65,7 +65,7 @@ def verify() -> None:
     want = latent_decode_nki.latent_decode_cost(lens)
     _check("latent decode", _counts(c), want, {"dma": "dma_bytes", "matmuls": "matmul_instructions"})
     # the same history as an FP8 latent cache
-    codes, latent_scales = quantize_latents(history.cache)
+    codes, latent_scales = quantize_per_token(history.cache)
     latent_decode_nki.latent_decode_nki(
         q, weights, history._replace(cache=codes, latent_scales=latent_scales), simulate
     )

@@ -11,10 +11,12 @@ row_i = block_table[b, i // bs] * bs + i % bs. K and V are never formed: every c
 read once and used by both products; s_g,i = 1 / rms(W_k,g c_i) is the exact per-key norm scale
 the model computes once at cache-write time (model_executors/latent_attention.py).
 
-An FP8 latent cache (Trainium2 E4M3, |x| <= 240, `quantize_latents`) stores each latent as codes c8_i with one
-float32 dequantization scale d_i per token (`latent_scales`): c_i = d_i * fp32(c8_i), and s_g,i is computed from
-that c_i (the latent as stored). d_i is per token like s_g,i, so the decode folds it into the two per-key factors
-instead of scaling the r-wide tile: score_i = scale * (q~_h . c8_i) * (d_i s_g,i) and u_h = sum_i (p_i d_i) c8_i.
+An FP8 latent cache (Trainium2 E4M3, |x| <= 240, `fp8_expert.quantize_per_token`: the activations' rounding, one
+scale per token from its absolute maximum, so no finite latent saturates or becomes NaN) stores each latent as codes
+c8_i with one float32 dequantization scale d_i per token (`latent_scales`): c_i = d_i * fp32(c8_i), and s_g,i is
+computed from that c_i (the latent as stored). d_i is per token like s_g,i, so the decode folds it into the two
+per-key factors instead of scaling the r-wide tile: score_i = scale * (q~_h . c8_i) * (d_i s_g,i) and
+u_h = sum_i (p_i d_i) c8_i.
 
 Where each form lives:
 - `latent_decode_reference` (here): the definition in plain fp32 torch, each sequence's rows gathered
@@ -35,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, quantize_per_token
+from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE
 
 DECODE_TILE = 2048  # keys per tile of the torch path (rounded to whole cache blocks)
 _workspace: dict[tuple[torch.dtype, torch.device, bool], torch.Tensor] = {}
@@ -76,13 +78,6 @@ class PagedLatents(NamedTuple):
                 f"seq_len {max(lens)} needs more blocks than block_table has ({self.block_table.shape[1]})"
             )
         return lens
-
-
-def quantize_latents(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Latents [T, r] -> (FP8 codes [T, r] float8_e4m3fn, |code| <= 240; dequantization scales [T] fp32): one scale
-    per token from its absolute maximum (fp8_expert.quantize_per_token, the activations' rounding), so no finite
-    latent saturates and none becomes NaN; c_i = d_i * fp32(code_i)."""
-    return quantize_per_token(latent)
 
 
 def dequantize_latents(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

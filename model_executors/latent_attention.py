@@ -45,8 +45,8 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
 
 from vllm_trn_plugin.kernels import dispatch
-from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE
-from vllm_trn_plugin.kernels.latent_decode import dequantize_latents, gather_blocks, quantize_latents
+from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, quantize_per_token
+from vllm_trn_plugin.kernels.latent_decode import dequantize_latents, gather_blocks
 
 # Under vLLM's logger tree: vLLM configures only that one, so an INFO line elsewhere is dropped.
 logger = init_logger(f"vllm.{__name__}")
@@ -373,10 +373,10 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
 
     def stored_latents(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Latents [n, r] as the cache stores them: (rows to write, their dequantization scales [n] fp32 or None).
-        FP8: Trainium2 E4M3 codes with one scale per token (kernels/latent_decode.quantize_latents); else the rows in
+        FP8: Trainium2 E4M3 codes with one scale per token (kernels/fp8_expert.quantize_per_token); else the rows in
         the cache dtype."""
         if self.latent_dtype == FP8_DTYPE:
-            return quantize_latents(latent)
+            return quantize_per_token(latent)
         return latent.to(self.latent_dtype), None
 
     @staticmethod

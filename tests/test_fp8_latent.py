@@ -17,8 +17,8 @@ import torch
 from tests.helpers import greedy_params, random_prompts, raw_logits_llm, token_prompts, worker_functions_allowed
 from tests.references.afmoe import cached_latent_model, check_against_hf_greedy, hf_greedy, load_hf_model
 from tests.references.packed import fp8_activation
-from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, FP8_MAX
-from vllm_trn_plugin.kernels.latent_decode import dequantize_latents, quantize_latents
+from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, FP8_MAX, quantize_per_token
+from vllm_trn_plugin.kernels.latent_decode import dequantize_latents
 
 VOCAB = 259
 STEPS = 16
@@ -30,7 +30,7 @@ FP8_LATENT = {"latent_cache_dtype": "fp8"}
 BOUNDS = (0.99, 1e-3, 0.9997)
 
 
-def test_quantize_latents_holds_every_finite_latent() -> None:
+def test_fp8_latent_rounding_holds_every_finite_latent() -> None:
     """Rows from 1e-30 to 1e30, an all-zero row and rows with one outlier: codes within Trainium2's E4M3 range (no
     saturation: the scale is the row's own maximum), nothing NaN or infinite, and the dequantized values those of
     the independent float64 rounding (within one fp32 rounding of the scale)."""
@@ -39,7 +39,7 @@ def test_quantize_latents_holds_every_finite_latent() -> None:
     spike = torch.randn(4, 256, generator=g)
     spike[:, 7] = 1e4  # one outlier per row: the rest falls into E4M3's subnormals, none to NaN
     x = torch.cat([*rows, torch.zeros(1, 256), spike])
-    codes, scales = quantize_latents(x)
+    codes, scales = quantize_per_token(x)
     assert codes.dtype == FP8_DTYPE and scales.dtype == torch.float32
     c = codes.float()
     assert torch.isfinite(c).all() and torch.isfinite(scales).all()

@@ -5,7 +5,7 @@ attention in float64 (`expanded_float64`, here).
 Inputs are built the way the model holds them: a paged latent cache whose unwritten rows are NaN,
 a key-scale side store (NaN where never written, 1 / rms(W_k,g c) where written), shuffled
 block tables whose entries past a sequence's used blocks are stale (other sequences' blocks,
-never-written blocks, 0). An FP8 cache (`FP8`) holds `quantize_latents` codes with their per-token
+never-written blocks, 0). An FP8 cache (`FP8`) holds `fp8_expert.quantize_per_token` codes with their per-token
 dequantization scales (NaN where never written) and key scales computed from the dequantized latents.
 """
 
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from vllm_trn_plugin.kernels import nki_emu
+from vllm_trn_plugin.kernels.fp8_expert import quantize_per_token
 from vllm_trn_plugin.kernels.latent_decode import (
     DECODE_TILE,
     AbsorbedWeights,
@@ -26,7 +27,6 @@ from vllm_trn_plugin.kernels.latent_decode import (
     gather_blocks,
     latent_decode_reference,
     latent_decode_torch,
-    quantize_latents,
 )
 from vllm_trn_plugin.kernels.latent_decode_nki import (
     BUCKETS,
@@ -89,7 +89,7 @@ def make_case(
         rows = ids[i // block_size] * block_size + i % block_size
         c = torch.randn(L, r, generator=g)
         if cache_dtype == FP8:  # the latent as stored: codes and scales, s_g,i from their product
-            cache[rows], latent_scales[rows] = quantize_latents(c)
+            cache[rows], latent_scales[rows] = quantize_per_token(c)
             c = dequantize_latents(cache[rows], latent_scales[rows])
         else:
             c = c.to(cache_dtype)
