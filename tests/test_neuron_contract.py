@@ -174,12 +174,13 @@ TRINITY_PROMPTS = random_prompts(3, [7, 40, 252], seed=43)
 TRINITY_ARRIVALS = [0, 0, 2]
 
 
-@pytest.fixture(scope="module")
-def trinity_expected(trinity_ckpts: tuple[Path, Path]) -> list[list[int]]:
+FP8_LATENT = {"latent_cache_dtype": "fp8"}
+
+
+def vllm_tokens(mla: Path, additional_config: dict[str, Any] | None = None) -> list[list[int]]:
     """vLLM's greedy tokens for TRINITY_PROMPTS on the float32 MLA checkpoint (one eager engine, TP 1)."""
     from vllm import LLM
 
-    mla, _ = trinity_ckpts
     llm = LLM(
         model=str(mla),
         dtype="float32",
@@ -188,12 +189,18 @@ def trinity_expected(trinity_ckpts: tuple[Path, Path]) -> list[list[int]]:
         seed=0,
         enforce_eager=True,
         kv_cache_memory_bytes=128 << 20,
+        additional_config=additional_config or {},
     )
     try:
         served = llm.generate(token_prompts(TRINITY_PROMPTS), greedy_params(STEPS), use_tqdm=False)
     finally:
         del llm
     return [list(o.outputs[0].token_ids) for o in served]
+
+
+@pytest.fixture(scope="module")
+def trinity_expected(trinity_ckpts: tuple[Path, Path]) -> list[list[int]]:
+    return vllm_tokens(trinity_ckpts[0])
 
 
 @pytest.mark.parametrize("compile_backend", [None, "aot_eager"], ids=["eager", "compiled"])
@@ -247,6 +254,54 @@ def test_trinity_through_beta_contract_equals_vllm(
         f"{sum(runner.warmup_seconds.values()):.1f} s: "
         f"{ {k: round(v, 1) for k, v in runner.warmup_seconds.items()} })"
     )
+
+
+def test_trinity_fp8_latent_through_beta_contract_equals_vllm(
+    trinity_ckpts: tuple[Path, Path], worker: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`latent_cache_dtype: fp8` under the Beta contract, compiled: the runner allocates the latent caches in FP8
+    from the adapter's spec, the step writes codes and per-token scales by slot, prefill (segmented, over the whole
+    table) and decode (the kernel op with the scales, crossing context buckets) read them, and every token equals
+    vLLM's own FP8-latent engine on the same checkpoint (the same rounding of the same latents)."""
+    from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE
+    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLABetaModel
+
+    mla, _ = trinity_ckpts
+    monkeypatch.setenv("VLLM_TRN_KERNELS", "torch")
+    expected = vllm_tokens(mla, FP8_LATENT)
+    runner = BetaRunner(
+        TrinityMLABetaModel,
+        mla,
+        runner_config(mla, 512, additional_config=FP8_LATENT),
+        TRINITY_NC,
+        block_size=32,
+        num_blocks=32,
+        max_num_batched_tokens=TRINITY_MAX_TOKENS,
+        compile_backend="aot_eager",
+    )
+    latent = runner.latent_layers()
+    assert latent and all(a.kv_cache.dtype == FP8_DTYPE and a.latent_scales is not None for a in latent)
+    got = runner.generate([Request(p, a) for p, a in zip(TRINITY_PROMPTS, TRINITY_ARRIVALS)])
+    for p, g, e in zip(TRINITY_PROMPTS, got, expected):
+        assert g == e, f"prompt of {len(p)} tokens: Beta contract (FP8 latent) {g}, vLLM (FP8 latent) {e}"
+    assert {("decode-ctx", 256), ("decode-ctx", 512), ("prefill", 128)} <= runner.padded_shapes
+    written = sum(int(torch.isfinite(a.latent_scales).sum()) for a in latent)
+    assert written >= len(latent) * sum(len(p) + STEPS - 1 for p in TRINITY_PROMPTS)
+    check_compiled(runner)
+
+
+def test_beta_adapter_refuses_fp8_sliding_layers(trinity_ckpts: tuple[Path, Path], worker: None) -> None:
+    """--kv-cache-dtype fp8 asks for FP8 sliding layers too, which the adapter's step does not have: refused at
+    construction, naming the option and what does work, instead of serving them in the model dtype."""
+    from vllm.config import set_current_vllm_config
+
+    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLABetaModel
+
+    mla, _ = trinity_ckpts
+    cfg = runner_config(mla, 512, kv_cache_dtype="fp8")
+    refused = pytest.raises(NotImplementedError, match="--kv-cache-dtype fp8.*latent_cache_dtype")
+    with set_current_vllm_config(cfg), refused:
+        TrinityMLABetaModel.from_configs(cfg.model_config.hf_config, {})
 
 
 def test_trinity_kernels_in_emulator_through_beta_contract(
@@ -377,28 +432,35 @@ def test_trinity_beta_contract_at_tp2_equals_tp1(
     )
 
 
-def _recipe(model: str) -> tuple[dict[str, Any], int, str]:
-    """The trn2 recipe's neuron_config, max_model_len and dtype for `model` (deploy/trn2/serve-replica.sh)."""
+def _recipe(model: str) -> tuple[dict[str, Any], int, str, dict[str, Any]]:
+    """The trn2 recipe's neuron_config, max_model_len, dtype and cache options (--kv-cache-dtype, the rest of
+    --additional-config) for `model` (deploy/trn2/serve-replica.sh)."""
     argv = trn2_recipe_argv(model)
 
-    def opt(name: str) -> str:
-        return argv[argv.index(name) + 1]
+    def opt(name: str) -> str | None:
+        return argv[argv.index(name) + 1] if name in argv else None
 
-    return json.loads(opt("--additional-config"))["neuron_config"], int(opt("--max-model-len")), opt("--dtype")
+    extra = json.loads(opt("--additional-config") or "{}")
+    nc = extra.pop("neuron_config")
+    cache = {"additional_config": extra} | (
+        {"kv_cache_dtype": opt("--kv-cache-dtype")} if opt("--kv-cache-dtype") else {}
+    )
+    return nc, int(opt("--max-model-len")), opt("--dtype"), cache
 
 
 @pytest.mark.parametrize("model", ["laplace-3b", "mla-trinity"])
 def test_recipe_buckets_are_captured_whole(model: str, worker: None, tmp_path: Path) -> None:
     """Every bucket the trn2 recipe has the runner compile (its neuron_config, max_model_len and dtype: prefill token
     buckets up to 2048, decode widths, MLA-Trinity's context buckets 2304 / 4352 / 8448 and max_model_len 16,640) is
-    captured by torch.compile(fullgraph=True) as one graph holding nothing opaque but the kernel ops. Traced only
+    captured by torch.compile(fullgraph=True) as one graph holding nothing opaque but the kernel ops, under the
+    recipe's cache options (MLA-Trinity: the FP8 latent; an option the adapter refuses fails here). Traced only
     (a 2048-token prefill over a 16,640-token table does not run on these machines), on the demo geometry (4
     layers), at TP 1 (the compiled TP-2 run is test_trinity_beta_contract_at_tp2_equals_tp1's)."""
     from vllm_trn_plugin.demo import write_laplace_demo, write_trinity_demo
     from vllm_trn_plugin.neuron.laplace import LaplaceBetaModel
     from vllm_trn_plugin.neuron.trinity_mla import TrinityMLABetaModel
 
-    nc, max_len, dtype = _recipe(model)
+    nc, max_len, dtype, cache = _recipe(model)
     if model == "laplace-3b":
         cls, ckpt = LaplaceBetaModel, write_laplace_demo(tmp_path / "ckpt", dtype=torch.float32)
     else:
@@ -407,7 +469,7 @@ def test_recipe_buckets_are_captured_whole(model: str, worker: None, tmp_path: P
     runner = BetaRunner(
         cls,
         ckpt,
-        runner_config(ckpt, max_len, dtype=dtype),
+        runner_config(ckpt, max_len, dtype=dtype, **cache),
         nc,
         block_size=32,
         num_blocks=8,
@@ -419,6 +481,6 @@ def test_recipe_buckets_are_captured_whole(model: str, worker: None, tmp_path: P
     assert len(runner.graphs) == len(runner.warmup_seconds) == buckets, sorted(runner.warmup_seconds)
     assert opaque_ops(runner.graphs, KERNEL_OPS) == {}
     print(
-        f"\n{model}: the recipe's {buckets} buckets captured whole ({dtype}, max_model_len {max_len}) in "
+        f"\n{model}: the recipe's {buckets} buckets captured whole ({dtype}, max_model_len {max_len}, {cache}) in "
         f"{sum(runner.warmup_seconds.values()):.0f} s: {sorted(runner.warmup_seconds)}"
     )

@@ -63,15 +63,16 @@ mla-trinity)
     # 2 logical cores (the compressed model fits in 2 x 24 GiB; 32 replicas per instance). Decode walks
     # the latent cache over a loop fixed per context bucket: 2,304 / 4,352 / 8,448 / 16,640 tokens
     # (prompts of 2k/4k/8k/16k plus 256 output tokens); the last is max_model_len itself.
-    # --kv-cache-dtype fp8 for the sliding-window layers; the 256-wide latent stays bf16
-    # ("latent_cache_dtype": "model"): the Beta contract adapter has no FP8 latent yet (docs/trainium.md).
+    # The 256-wide latent in Trainium2 FP8 with a per-token scale ("latent_cache_dtype": "fp8": half its bytes; the
+    # latent-decode kernel reads FP8 tiles; "model" keeps it bf16, docs/mla-trinity.md "FP8 latent cache" has what
+    # it costs). The sliding-window layers stay bf16: the Beta contract adapter refuses --kv-cache-dtype fp8
+    # (docs/trainium.md).
     args=(
         --tensor-parallel-size 2
         --max-model-len 16640
         --max-num-seqs 8
         --max-num-batched-tokens 2048
-        --kv-cache-dtype fp8
-        --additional-config '{"neuron_config": {"num_seqs_buckets": [1, 2, 4, 8], "num_batched_tokens_buckets": [512, 1024, 2048], "decode_context_length_buckets": [2304, 4352, 8448]}, "latent_cache_dtype": "model"}'
+        --additional-config '{"neuron_config": {"num_seqs_buckets": [1, 2, 4, 8], "num_batched_tokens_buckets": [512, 1024, 2048], "decode_context_length_buckets": [2304, 4352, 8448]}, "latent_cache_dtype": "fp8"}'
     )
     ;;
 *)

@@ -404,17 +404,32 @@ class BetaRunner:
     # --- the emulate check's cache snapshot ---
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """Everything a step writes: the bound caches and the latent layers' key-scale side stores."""
+        """Everything a step writes: the bound caches and the latent layers' side stores (key scales, an FP8
+        latent's dequantization scales)."""
         tensors = [t for ts in self.kv_caches.values() for t in ts]
-        return tensors + [a.key_scales for a in getattr(self.model, "_latent", []) if a.key_scales is not None]
+        for a in self.latent_layers():
+            tensors += [t for t in (a.key_scales, a.latent_scales) if t is not None]
+        return tensors
+
+    def latent_layers(self) -> list[Any]:
+        """The model's TrinityLatentAttention layers (none for Laplace)."""
+        from vllm_trn_plugin.model_executors.latent_attention import TrinityLatentAttention
+
+        return [m for m in self.model.modules() if isinstance(m, TrinityLatentAttention)]
 
 
-def runner_config(ckpt: Path, max_model_len: int, tp: int = 1, dtype: str = "float32") -> Any:
-    """The runner's vLLM config (what the Beta worker holds; float32 like the reference engines by default)."""
+def runner_config(ckpt: Path, max_model_len: int, tp: int = 1, dtype: str = "float32", **engine_args: Any) -> Any:
+    """The runner's vLLM config (what the Beta worker holds; float32 like the reference engines by default);
+    `engine_args` as the user passes them (e.g. additional_config, kv_cache_dtype)."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(
-        model=str(ckpt), dtype=dtype, max_model_len=max_model_len, enforce_eager=True, tensor_parallel_size=tp
+        model=str(ckpt),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        tensor_parallel_size=tp,
+        **engine_args,
     )
     return args.create_engine_config()
 

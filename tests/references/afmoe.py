@@ -235,33 +235,44 @@ def load_hf_model(model_dir: str | Path) -> Any:
     return model
 
 
-def _round_latent(latent: torch.Tensor, cache_dtype: str) -> torch.Tensor:
+def _round_latent(latent: torch.Tensor, cache_dtype: str, scale: float | None = None) -> torch.Tensor:
     """Latents [..., r] (float64) as a latent cache of `cache_dtype` stores them: "fp8", Trainium2 FP8 with one scale
-    per token (references.packed.fp8_activation); "bf16", bfloat16."""
-    from tests.references.packed import fp8_activation
+    per token (references.packed.fp8_activation), or with the one static `scale` given (references.packed.fp8_static);
+    "bf16", bfloat16; "float64", unrounded."""
+    from tests.references.packed import fp8_activation, fp8_static
 
     if cache_dtype == "bf16":
         return latent.to(torch.bfloat16).double()
+    if cache_dtype == "float64":
+        return latent
+    if scale is not None:
+        return fp8_static(latent, scale)
     return fp8_activation(latent.reshape(-1, latent.shape[-1])).reshape(latent.shape)
 
 
 class _CachedLatentProjection(torch.nn.Module):
     """k_proj or v_proj of a latent layer as a latent cache of `cache_dtype` computes it: rows of kv_b_proj applied to
-    the latent kv_a_proj x as the cache stores it, in float64."""
+    the latent kv_a_proj x as the cache stores it, in float64. Keeps the exact latents of its last call (`latents`,
+    before rounding)."""
 
-    def __init__(self, kv_a: torch.Tensor, kv_b_rows: torch.Tensor, cache_dtype: str) -> None:
+    def __init__(self, kv_a: torch.Tensor, kv_b_rows: torch.Tensor, cache_dtype: str, scale: float | None) -> None:
         super().__init__()
-        self.kv_a, self.kv_b_rows, self.cache_dtype = kv_a.double(), kv_b_rows.double(), cache_dtype
+        self.kv_a, self.kv_b_rows, self.cache_dtype, self.scale = kv_a.double(), kv_b_rows.double(), cache_dtype, scale
+        self.latents: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        latent = _round_latent(x.double() @ self.kv_a.t(), self.cache_dtype)
+        self.latents = x.double() @ self.kv_a.t()
+        latent = _round_latent(self.latents, self.cache_dtype, self.scale)
         return (latent @ self.kv_b_rows.t()).to(x.dtype)
 
 
-def cached_latent_model(mla_dir: str | Path, cache_dtype: str = "fp8") -> Any:
+def cached_latent_model(
+    mla_dir: str | Path, cache_dtype: str = "fp8", layer_scales: dict[int, float] | None = None
+) -> Any:
     """transformers' AfmoeForCausalLM for an MLA-Trinity checkpoint, in float64, whose latent layers see their
-    latents as a latent cache of `cache_dtype` ("fp8": one scale per token; "bf16") stores them: a copy of
-    `load_hf_model`'s model with those layers' k_proj / v_proj computed through the stored latent."""
+    latents as a latent cache of `cache_dtype` ("fp8": one scale per token, or per layer from `layer_scales`, layer
+    index -> static scale; "bf16"; "float64") stores them: a copy of `load_hf_model`'s model with those layers'
+    k_proj / v_proj computed through the stored latent."""
     import copy
 
     cfg = json.loads((Path(mla_dir) / "config.json").read_text())
@@ -275,9 +286,22 @@ def cached_latent_model(mla_dir: str | Path, cache_dtype: str = "fp8") -> Any:
         p = f"model.layers.{i}.self_attn."
         a, b = tensors[p + "kv_a_proj.weight"], tensors[p + "kv_b_proj.weight"]
         attn = model.model.layers[i].self_attn
-        attn.k_proj = _CachedLatentProjection(a, b[:kv], cache_dtype)
-        attn.v_proj = _CachedLatentProjection(a, b[kv:], cache_dtype)
+        scale = None if layer_scales is None else layer_scales[i]
+        attn.k_proj = _CachedLatentProjection(a, b[:kv], cache_dtype, scale)
+        attn.v_proj = _CachedLatentProjection(a, b[kv:], cache_dtype, scale)
     return model.eval()
+
+
+@torch.no_grad()
+def exact_latents(mla_dir: str | Path, tokens: list[int]) -> dict[int, torch.Tensor]:
+    """Each latent layer's latents [len(tokens), r] (layer index -> float64, unrounded) for the prompt `tokens`."""
+    model = cached_latent_model(mla_dir, "float64")
+    model(input_ids=torch.tensor([tokens]))
+    return {
+        i: layer.self_attn.k_proj.latents[0]
+        for i, layer in enumerate(model.model.layers)
+        if isinstance(layer.self_attn.k_proj, _CachedLatentProjection)
+    }
 
 
 @torch.no_grad()

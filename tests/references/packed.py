@@ -85,6 +85,13 @@ def fp8_activation(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(q) * s
 
 
+def fp8_static(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x rounded to Trainium2 FP8 with one fixed scale (a calibrated static scale), saturating at +-240 x scale as a
+    static-scale cache must for a value past its calibration; returned in float64."""
+    q = (x.double() / scale).clamp(-240.0, 240.0).numpy().astype(ml_dtypes.float8_e4m3).astype(np.float64)
+    return torch.from_numpy(q) * scale
+
+
 ACTIVATION_NOISE = 1e-7  # relative: how far a float32 forward may hold an activation from the float64 one
 
 

@@ -150,16 +150,20 @@ def _adapter_vllm_config(hf_config: Any) -> Any:
     tp = parallel_state.get_tp_group().world_size if parallel_state.model_parallel_is_initialized() else 1
 
     current = _current_vllm_config()
+    extra: dict[str, Any] = {}
     if current is not None and getattr(hf_config, "kv_lora_rank", None) is not None:
+        from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE
         from vllm_trn_plugin.model_executors.latent_attention import LATENT_CACHE_DTYPE, latent_cache_dtype
 
-        if latent_cache_dtype(current) != current.model_config.dtype:
+        if str(current.cache_config.cache_dtype).startswith("fp8"):
             raise NotImplementedError(
-                "the Beta contract adapter keeps MLA-Trinity's latent cache in the model dtype: its static step has no "
-                "FP8 latent yet (the vLLM path has). Serve with --additional-config "
-                f'\'{{"{LATENT_CACHE_DTYPE}": "model"}}\' (added to the neuron_config there), or without an FP8 '
-                "--kv-cache-dtype"
+                f"--kv-cache-dtype {current.cache_config.cache_dtype}: the Beta contract adapter keeps MLA-Trinity's "
+                "sliding layers' K/V in the model dtype (its static step has no FP8 K/V with vLLM's per-tensor k/v "
+                "scales). For an FP8 latent with model-dtype sliding layers serve with --kv-cache-dtype auto and "
+                f'--additional-config \'{{"{LATENT_CACHE_DTYPE}": "fp8"}}\''
             )
+        # The latent's dtype is the runner's choice (its --additional-config), resolved once here.
+        extra[LATENT_CACHE_DTYPE] = "fp8" if latent_cache_dtype(current) == FP8_DTYPE else "model"
     if current is not None:
         mc = current.model_config
         model, dtype, max_len = mc.model, mc.dtype, mc.max_model_len
@@ -178,6 +182,7 @@ def _adapter_vllm_config(hf_config: Any) -> Any:
         enforce_eager=True,
         tensor_parallel_size=tp,
         skip_tokenizer_init=True,
+        additional_config=extra,
         # vLLM's custom layers (norms, rotary embedding, activations) in their plain torch form: the CPU build's
         # own kernels are not what a device graph holds.
         compilation_config={"custom_ops": ["none"]},

@@ -3,9 +3,11 @@ its caches bound from the runner's tensors, and a static step the runner's compi
 
 Caches, named by each attention module's prefix (``model.layers.{i}.self_attn``):
 
-- global (``full_attention``) layers: a ``LatentLayerSpec``, one ``kv_lora_rank``-wide latent row per token, bound
-  as ``[num_blocks, block_size, r]``; beside it the layer's key-scale side store ``[rows, Hkv]`` fp32 (allocated NaN
-  by ``TrinityLatentAttention.bind_kv_cache``, as under vLLM);
+- global (``full_attention``) layers: a ``LatentLayerSpec``, one ``kv_lora_rank``-wide latent row per token in the
+  layer's ``latent_dtype`` (the model dtype, or FP8 under ``latent_cache_dtype: fp8``), bound as
+  ``[num_blocks, block_size, r]``; beside it the layer's key-scale side store ``[rows, Hkv]`` fp32 and, for an FP8
+  latent, its dequantization scales ``[rows]`` fp32 (allocated NaN by ``TrinityLatentAttention.bind_kv_cache``, as
+  under vLLM);
 - sliding layers: a ``LayerSpec`` with ``sliding_window_size``, bound as the runner's ``[k, v]``, each
   ``[num_blocks, num_kv_heads, block_size, head_dim]``.
 
@@ -21,11 +23,14 @@ adapter's own, as graph ops over the runner's tensors:
   ``swa_kv_pos_offset``; prefill: the request's whole table). A key is visible iff its block entry is real, its
   position is <= the query's and within the window; keys no query sees are selected to 0 before any product
   (an unwritten row may hold anything), and a dead decode row's output is selected to 0;
-- global attention, decode: the declared kernel op ``dispatch.latent_decode`` over the runner's context-bucket
-  table, ``seq_lens = positions + 1`` for live rows; a dead row reads one key of the null block (written this step
-  by its own padded token) and its output is selected to 0;
+- global attention, latent: stored as the layer's ``stored_latents`` gives it (the model dtype, or FP8 codes with a
+  per-token scale written by slot beside them, ``latent_cache_dtype``); the key scale from the latent as stored;
+- global attention, decode: the declared kernel op ``dispatch.latent_decode`` (with an FP8 latent's scales) over the
+  runner's context-bucket table, ``seq_lens = positions + 1`` for live rows; a dead row reads one key of the null
+  block (written this step by its own padded token) and its output is selected to 0;
 - global attention, prefill (one request padded to a token bucket): K/V rebuilt from every row of the request's
-  block table, keys past the last real position or in a null entry selected to 0, mask key position <= query
+  block table (dequantized first: an unwritten FP8 row may hold NaN), keys past the last real position or in a
+  null entry selected to 0, mask key position <= query
   position (padded queries repeat the last real position), GQA in fp32 (``TrinityLatentAttention.rebuilt_attention``,
   the vLLM path's prefill with an explicit mask); a segmented prefill's earlier segments are simply earlier keys;
 - MoE layers: vLLM's ``FusedMoE`` runs through an opaque op reading vLLM's forward context, and on the CPU build
@@ -218,7 +223,7 @@ class TrinityMLABetaModel(BetaModelAdapter):
             LayerSpec(a.attn.name, a.num_kv_heads, a.head_dim, self.dtype, sliding_window_size=a.attn.window)
             for a in self._sliding
         ]
-        latent = [LatentLayerSpec(a.prefix, a.kv_lora_rank, self.dtype) for a in self._latent]
+        latent = [LatentLayerSpec(a.prefix, a.kv_lora_rank, a.latent_dtype) for a in self._latent]
         return KVSpec(layers=layers, latent_layers=latent)
 
     def bind_kv_cache(self, kv_caches: dict[str, list[torch.Tensor]]) -> None:
@@ -232,7 +237,7 @@ class TrinityMLABetaModel(BetaModelAdapter):
             (latent,) = self._cache_entry(kv_caches, a.prefix, 1)
             if latent.dim() != 3 or latent.shape[2] != a.kv_lora_rank:
                 raise ValueError(f"{a.prefix}: latent cache {tuple(latent.shape)}, expected [blocks, block_size, r]")
-            a.bind_kv_cache(latent)  # allocates the key-scale store beside it
+            a.bind_kv_cache(latent)  # allocates the key-scale store (and an FP8 latent's scale store) beside it
         self._bound = True
 
     # --- the step ---
@@ -266,19 +271,25 @@ class TrinityMLABetaModel(BetaModelAdapter):
     def _latent_attention(attn: Any, h: torch.Tensor, positions: torch.Tensor, meta: dict[str, Any]) -> torch.Tensor:
         T, H, hd = h.shape[0], attn.num_heads, attn.head_dim
         cache, scales = attn.kv_cache, attn.key_scales  # [num_blocks, bs, r], [num_blocks * bs, Hkv] fp32
+        dequant = attn.latent_scales  # [num_blocks * bs] fp32 for an FP8 latent, else None
         bs = cache.shape[1]
         q, latent = attn.project(h)
         Wk, Wv = attn.kv_weights()
         rows = slot_rows(meta)
-        new = latent.to(cache.dtype)
+        new, new_dequant = attn.stored_latents(latent)
         cache.index_put_((rows // bs, rows % bs), new)
-        scales.index_put_((rows,), attn.key_scale(new, Wk))  # from the latent as stored
+        if dequant is not None:
+            dequant.index_put_((rows,), new_dequant)
+        # The key scale from the latent as stored.
+        scales.index_put_((rows,), attn.key_scale(attn.latent_values(new, new_dequant), Wk))
         live = live_tokens(meta)
         if is_decode(meta):
             # A dead row reads the null block's first row, which its own padded token wrote just now.
             table = torch.where(live[:, None], block_rows(meta), NULL_BLOCK_ID)
             seq_lens = torch.where(live, positions + 1, 1)
-            o = dispatch.latent_decode(q, attn.k_norm.weight, Wk, Wv, cache, scales, table, seq_lens, attn.scaling, bs)
+            o = dispatch.latent_decode(
+                q, attn.k_norm.weight, Wk, Wv, cache, scales, table, seq_lens, attn.scaling, bs, dequant
+            )
             o = torch.where(live[:, None, None], o, 0)
         else:
             ids = block_rows(meta)[0]
@@ -287,7 +298,10 @@ class TrinityMLABetaModel(BetaModelAdapter):
             kpos = torch.arange(L, device=ids.device)
             real = (meta["block_table_tensor"][0] > NULL_BLOCK_ID)[:, None].expand(-1, bs).reshape(L)
             seen = real & (kpos <= positions.max())  # written: this request's keys up to its last real position
-            c = torch.where(seen[:, None], cache.index_select(0, ids).reshape(L, -1), 0)
+            stored = cache.index_select(0, ids).reshape(L, -1)
+            values = attn.latent_values(stored, None if dequant is None else dequant.index_select(0, key_rows))
+            # Selected after dequantizing: an unwritten row's code or scale may be NaN, and NaN x 0 is NaN.
+            c = torch.where(seen[:, None], values, 0)
             s = torch.where(seen[:, None], scales.index_select(0, key_rows), 0)
             mask = seen[None, :] & (kpos[None, :] <= positions[:, None])
             o = attn.rebuilt_attention(q, c, s, Wk, Wv, mask)
