@@ -248,7 +248,7 @@ def run_decode_bench(args: argparse.Namespace, geo: dict[str, Any], model_dir: P
         max_model_len=max_model_len,
         kv_cache_memory_bytes=args.kv_cache_bytes,
         max_num_seqs=args.max_num_seqs,
-        enable_prefix_caching=False,  # one state page per sequence (gla_state.py)
+        enable_prefix_caching=False,  # one state page per sequence, no checkpoints (gla_state.py)
         enforce_eager=args.enforce_eager,
         disable_log_stats=False,  # fills RequestOutput.metrics
         seed=args.seed,

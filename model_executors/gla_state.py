@@ -1,10 +1,20 @@
 """Recurrent-state cache manager for Laplace's GLA mixers, inside vLLM's state pool.
 
 The model is attention-free: every mixer is a `MambaBase` layer whose states (fp32 GLA state
-[H, d_k, d_v] and the conv window [conv_size-1, D]) vLLM packs into one fixed page per
-sequence (`MambaSpec`, block size = max_model_len). A request's page index is
-`block_table[:, 0]`. vLLM does not clear a page when it hands it to a new request, so the
-metadata marks which rows start from zero state.
+[H, d_k, d_v] and the conv window [conv_size-1, D]) vLLM packs into one fixed page (`MambaSpec`).
+
+- Prefix caching off (vLLM's `mamba_cache_mode="none"`): one page per sequence (block size =
+  max_model_len), `block_table[:, 0]`.
+- Prefix caching on (`"align"`, engine_checks.py sets the block size): a request's block table has one
+  column per `mamba_block_size` tokens, and the page a step reads and writes is the column of its
+  last token, `(seq_len - 1) // block_size` (vLLM's `mamba_get_block_table_tensor`). Before the step vLLM
+  copies the state the request had (or the cached checkpoint a prefix hit found) into that page
+  (`preprocess_mamba`, through the model's copy functions); the page the request leaves behind at a block
+  boundary holds the state after exactly that many tokens, and vLLM keeps it, hashed, as the checkpoint a
+  later prompt with the same prefix restores. The mixer reads and writes one page per step either way.
+
+vLLM does not clear a page when it hands it to a new request, so the metadata marks which rows
+start from zero state (no computed tokens: no history, and no copy into the page).
 
 Rows are ordered decodes first (query length 1, `reorder_batch_threshold = 1`). A brand-new
 one-token prompt also lands among the "decodes"; `decode_fresh` marks it so the step starts
@@ -23,7 +33,7 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor, split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import MambaSpec
 
 
@@ -46,8 +56,7 @@ class GLAStateMetadataBuilder(AttentionMetadataBuilder[GLAStateMetadata]):
 
     def __init__(self, kv_cache_spec: MambaSpec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        if vllm_config.cache_config.mamba_cache_mode != "none":
-            raise ValueError("Laplace keeps one state page per sequence: prefix caching must be off")
+        self.mamba_cache_mode = vllm_config.cache_config.mamba_cache_mode
         self._init_reorder_batch_threshold(1)
 
     def build(
@@ -57,7 +66,10 @@ class GLAStateMetadataBuilder(AttentionMetadataBuilder[GLAStateMetadata]):
         num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(m, decode_threshold=1)
         qsl = m.query_start_loc_cpu[: m.num_reqs + 1].long()
         context_lens = m.compute_num_computed_tokens()[: m.num_reqs]  # on the device: no host sync
-        slots = m.block_table_tensor[: m.num_reqs, 0].long()
+        table = mamba_get_block_table_tensor(
+            m.block_table_tensor[: m.num_reqs], m.seq_lens[: m.num_reqs], self.kv_cache_spec, self.mamba_cache_mode
+        )
+        slots = table[:, 0].long()
         return GLAStateMetadata(
             num_decodes=num_decodes,
             num_prefills=num_prefills,

@@ -16,6 +16,7 @@ vLLM's state pool (see gla_state.py).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,10 +27,11 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching
 from vllm.model_executor.models.utils import maybe_prefix
 from vllm.sequence import IntermediateTensors
 from vllm.utils.torch_utils import direct_register_custom_op
@@ -251,7 +253,7 @@ class LaplaceModel(nn.Module):
         return self.norm(x)
 
 
-class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
+class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching):
     # Checkpoint names that vLLM fuses: (fused param, checkpoint name, shard id); the same fusion as vLLM's
     # quantization configs read it.
     stacked_params_mapping = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
@@ -297,6 +299,13 @@ class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
         return laplace_state_dtypes(vllm_config.model_config.dtype)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls) -> tuple[Any, Any]:
+        """How vLLM's prefix caching (align mode) copies a page's states into the next page: the GLA state
+        whole, and the conv window whole (vLLM's own functions, in `laplace_state_shapes` order). Speculative
+        decoding, which would copy a state after some drafts, is refused (engine_checks.py)."""
+        return get_temporal_copy_spec, get_conv_copy_spec
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         packed = isinstance(self.quant_config, TrnMxfp4Fp8Config)

@@ -73,6 +73,7 @@ def register() -> None:
         if arch not in supported:
             ModelRegistry.register_model(arch, path)
     # vLLM's config hooks for the two architectures: refusals and splitting ops (engine_checks.py); for
-    # Laplace also vLLM's state-model settings (one state page per sequence, sized to max_model_len).
+    # Laplace also vLLM's state-model settings (one state page per sequence, or with prefix caching a state
+    # checkpoint per block of tokens).
     MODELS_CONFIG_MAP.update(ENGINE_CHECKS)
     _registered = True

@@ -20,6 +20,8 @@ hooks, `MODELS_CONFIG_MAP`), before any engine or worker process starts.
 - Set on CPU when the user has not: a thread binding for several local workers (tensor parallelism on one NUMA
   node). vLLM's automatic binding gives each worker a NUMA node of its own and fails with fewer nodes than workers
   (a 2-core host at --tensor-parallel-size 2); the plugin then splits the allowed cores evenly among the workers.
+- Set for Laplace under --enable-prefix-caching: the interval between its state checkpoints (vLLM's mamba_block_size,
+  default LAPLACE_CHECKPOINT_TOKENS) and vLLM's block size with it; an interval off the GLA chunk grid is refused.
 - Added: the plugin's stateful custom ops as vLLM splitting ops. They read the forward context and branch on it
   (profiling runs have no metadata) and choose experts on the host, so a piecewise CUDA graph must never capture
   them: vLLM runs splitting ops eagerly between the captured pieces, as it does its own attention ops.
@@ -156,7 +158,50 @@ class LaplaceEngineChecks(MambaModelConfig):
         )
         _add_splitting_ops(vllm_config)
         bind_cpu_workers(vllm_config)
+        _laplace_checkpoint_interval(vllm_config)
         super().verify_and_update_config(vllm_config)
+
+
+# Tokens between Laplace's state checkpoints under --enable-prefix-caching (vLLM's mamba_block_size), unless the user
+# sets --mamba-block-size or --block-size: docs/models.md "Prefix caching" has what it costs and buys.
+LAPLACE_CHECKPOINT_TOKENS = 256
+
+
+def _laplace_checkpoint_interval(vllm_config: VllmConfig) -> None:
+    """Under --enable-prefix-caching vLLM keeps Laplace's state at block boundaries (its "align" mode) and a prefix hit
+    restores the last one: the block size is the checkpoint interval.
+
+    - Its size: --mamba-block-size, else --block-size if given, else the plugin's default. (vLLM would take
+      --block-size, which on the CPU build is still its generic 16 when this hook runs: a page copy every 16 tokens.)
+    - --block-size is set to it as well. vLLM's scheduler ends align-mode prefill chunks on multiples of the cache
+      config's block size, and keeps the state at a prompt's last boundary only if a chunk ends there; its own copy of
+      the config keeps the platform's block size (128 on the CPU build) even where the engine core later raises the
+      pool's to the checkpoint interval. Chunks then end off the checkpoint grid and a prompt's last checkpoint is
+      never written (measured: a chat's hits one turn behind with 256-token checkpoints).
+    - A size off the GLA prefill's 128-token chunk grid is refused: a restored prefix would leave the remainder
+      chunked differently from the same prompt without the cache."""
+    from vllm_trn_plugin.kernels.simple_gla import CHUNK_SIZE
+
+    cache = vllm_config.cache_config
+    if not cache.enable_prefix_caching:
+        return
+    if cache.mamba_block_size is None:
+        cache.mamba_block_size = cache.block_size if cache.user_specified_block_size else LAPLACE_CHECKPOINT_TOKENS
+    elif cache.user_specified_block_size and cache.block_size != cache.mamba_block_size:
+        raise ValueError(
+            f"LaplaceForCausalLM with --enable-prefix-caching: --block-size {cache.block_size} and --mamba-block-size "
+            f"{cache.mamba_block_size} differ; Laplace's only cache is its state, so give one of them (the interval "
+            "between state checkpoints)"
+        )
+    if cache.mamba_block_size % CHUNK_SIZE:
+        raise ValueError(
+            f"LaplaceForCausalLM with --enable-prefix-caching: --mamba-block-size (or --block-size) "
+            f"{cache.mamba_block_size} is not a multiple of {CHUNK_SIZE}, the GLA prefill's chunk: state checkpoints "
+            "must fall on its chunk grid"
+        )
+    cache.block_size = cache.mamba_block_size
+    cache.user_specified_block_size = True  # so that the platform keeps it
+    logger.info("Laplace prefix caching: a state checkpoint every %d tokens", cache.mamba_block_size)
 
 
 class TrinityMLAEngineChecks(VerifyAndUpdateConfig):

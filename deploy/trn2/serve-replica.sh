@@ -29,8 +29,9 @@ done
 common=(
     --host 0.0.0.0 --port "${PORT:-8000}"
     --dtype bfloat16
-    # Every request pays its full prefill: what the source figures measure, and for Laplace there is
-    # nothing to share (one recurrent state page per sequence).
+    # Every request pays its full prefill: what the source figures measure. Laplace's prefix caching (state
+    # checkpoints, what chat and agent traffic wants: docs/models.md "Prefix caching") runs on the vLLM path;
+    # the Beta contract adapter keeps one state page per sequence and refuses it.
     --no-enable-prefix-caching
     --served-model-name "${SERVED_NAME:-$model}"
     # SIGTERM (a rolling update, a scale-down) drains: the requests in flight finish, for up to this many seconds,

@@ -55,6 +55,8 @@ class RequestResult:
     chunks: int = 0
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int | None = None  # from the server's prefix cache, where it reports them (vLLM:
+    # --enable-prompt-tokens-details)
     finish_reason: str | None = None
     text: str = ""
 
@@ -89,9 +91,12 @@ def build_payload(target: Target, spec: RequestSpec, params: dict[str, Any]) -> 
     body: dict[str, Any] = {"model": target.model, "max_tokens": spec.max_tokens, "stream": True}
     body["stream_options"] = {"include_usage": True}
     if target.endpoint == "chat":
-        if not isinstance(spec.prompt, str):
+        if isinstance(spec.prompt, list) and spec.prompt and all(isinstance(m, dict) for m in spec.prompt):
+            body["messages"] = spec.prompt  # a conversation so far
+        elif not isinstance(spec.prompt, str):
             raise ValueError("the chat endpoint takes text prompts (use text prompts or a dataset of strings)")
-        body["messages"] = [{"role": "user", "content": spec.prompt}]
+        else:
+            body["messages"] = [{"role": "user", "content": spec.prompt}]
     else:
         body["prompt"] = spec.prompt
     body.update(params)
@@ -180,6 +185,9 @@ async def stream_request(
                 if usage:
                     res.output_tokens = int(usage.get("completion_tokens") or 0)
                     res.prompt_tokens = int(usage.get("prompt_tokens") or res.prompt_tokens)
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        res.cached_tokens = int(details["cached_tokens"])
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res

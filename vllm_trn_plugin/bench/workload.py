@@ -80,10 +80,11 @@ class LengthDist:
 
 @dataclass
 class RequestSpec:
-    """One request of the workload; `prompt_len` is None when only the server knows it (text prompts)."""
+    """One request of the workload; `prompt_len` is None when only the server knows it (text prompts). For the chat
+    endpoint `prompt` may also be a list of messages (a conversation so far)."""
 
     index: int
-    prompt: str | list[int]
+    prompt: str | list[int] | list[dict[str, str]]
     max_tokens: int
     prompt_len: int | None = None
 

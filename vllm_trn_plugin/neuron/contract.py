@@ -151,6 +151,16 @@ def _adapter_vllm_config(hf_config: Any) -> Any:
 
     current = _current_vllm_config()
     extra: dict[str, Any] = {}
+    if (
+        current is not None
+        and getattr(hf_config, "model_type", None) == "laplace"
+        and current.cache_config.enable_prefix_caching
+    ):
+        raise NotImplementedError(
+            "--enable-prefix-caching: the Beta contract adapter keeps one Laplace state page per sequence (its static "
+            "step has no state checkpoints per block); prefix caching of Laplace's state runs on the vLLM path. Serve "
+            "with --no-enable-prefix-caching"
+        )
     if current is not None and getattr(hf_config, "kv_lora_rank", None) is not None:
         from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE
         from vllm_trn_plugin.model_executors.latent_attention import LATENT_CACHE_DTYPE, latent_cache_dtype
