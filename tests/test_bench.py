@@ -407,6 +407,8 @@ def test_trn2_recipe_parses_as_vllm_serve(model: str, cores: int) -> None:
     ctx = nc.get("decode_context_length_buckets", [])
     assert ctx == sorted(ctx) and all(c < ns.max_model_len and c % 128 == 0 for c in ctx)
     if model == "mla-trinity":
-        assert ns.kv_cache_dtype == "fp8" and ctx + [ns.max_model_len] == [2304, 4352, 8448, 16640]
+        # The latent in FP8 (the Beta adapter refuses FP8 sliding layers: --kv-cache-dtype stays auto).
+        assert ns.kv_cache_dtype == "auto" and ns.additional_config["latent_cache_dtype"] == "fp8"
+        assert ctx + [ns.max_model_len] == [2304, 4352, 8448, 16640]
     else:
         assert ns.max_num_seqs == 20 and ns.kv_cache_dtype == "auto"  # no KV cache: fp32 state pages
