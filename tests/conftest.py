@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import MAX_NUM_SEQS, POOL_SLOTS, PROBE_TOKENS, PROBES, TOKEN_BUDGET, greedy_params, token_prompts
+from tests.helpers import PROBE_TOKENS, PROBES, greedy_params, laplace_engine, token_prompts
 from tests.references.laplace import LaplaceReference
 from vllm_trn_plugin.bench.local import LocalServer, serve_new_demo
 
@@ -49,24 +49,7 @@ class Engine:
 
 @pytest.fixture(scope="session")
 def laplace_llm(laplace_ckpt: Path) -> Engine:
-    from vllm import LLM
-
-    cfg = LaplaceReference(laplace_ckpt).cfg
-    page = (
-        cfg["num_hidden_layers"]
-        * 4
-        * (cfg["num_heads"] * cfg["head_k_dim"] * cfg["head_v_dim"] + (cfg["conv_size"] - 1) * cfg["hidden_size"])
-    )
-    llm = LLM(
-        model=str(laplace_ckpt),
-        dtype="float32",
-        max_model_len=2048,
-        max_num_seqs=MAX_NUM_SEQS,
-        max_num_batched_tokens=TOKEN_BUDGET,
-        kv_cache_memory_bytes=POOL_SLOTS * page,
-        disable_log_stats=False,
-        seed=0,
-    )
+    llm = laplace_engine(laplace_ckpt)
     fresh = [llm.generate(token_prompts([p]), greedy_params(PROBE_TOKENS), use_tqdm=False)[0] for p in PROBES]
     yield Engine(llm, fresh)
     del llm

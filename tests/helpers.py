@@ -21,6 +21,33 @@ TOKEN_BUDGET = 256  # max_num_batched_tokens: prompts longer than this are prefi
 TRN2 = Path(__file__).resolve().parents[1] / "deploy" / "trn2"
 
 
+def laplace_engine(ckpt: Path, **overrides: object):  # noqa: ANN201
+    """A float32 vLLM engine on the Laplace checkpoint `ckpt` with the session engine's settings (conftest.laplace_llm:
+    POOL_SLOTS state pages, MAX_NUM_SEQS sequences, TOKEN_BUDGET-token batches, statistics on, seed 0); `overrides`
+    replace or add LLM arguments."""
+    from vllm import LLM
+
+    from tests.references.laplace import LaplaceReference
+
+    cfg = LaplaceReference(ckpt).cfg
+    page = (
+        cfg["num_hidden_layers"]
+        * 4
+        * (cfg["num_heads"] * cfg["head_k_dim"] * cfg["head_v_dim"] + (cfg["conv_size"] - 1) * cfg["hidden_size"])
+    )
+    args = dict(
+        model=str(ckpt),
+        dtype="float32",
+        max_model_len=2048,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=TOKEN_BUDGET,
+        kv_cache_memory_bytes=POOL_SLOTS * page,
+        disable_log_stats=False,
+        seed=0,
+    )
+    return LLM(**(args | overrides))
+
+
 def trn2_recipe_argv(model: str, ckpt: str | Path = "/models/x", env: dict[str, str] | None = None) -> list[str]:
     """The `vllm serve` command line deploy/trn2/serve-replica.sh prints for `model` (`--print`: runs nothing)."""
     import os

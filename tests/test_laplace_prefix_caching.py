@@ -22,11 +22,10 @@ from typing import Any
 import pytest
 
 from tests.helpers import (
-    MAX_NUM_SEQS,
-    POOL_SLOTS,
     check_batched_against_alone,
     chosen_steps,
     greedy_params,
+    laplace_engine,
     random_prompts,
     token_prompts,
 )
@@ -47,27 +46,7 @@ def cached_len(prompt_len: int) -> int:
 
 @pytest.fixture(scope="module")
 def pc_llm(laplace_ckpt: Any) -> Any:
-    from vllm import LLM
-
-    from tests.references.laplace import LaplaceReference
-
-    cfg = LaplaceReference(laplace_ckpt).cfg
-    page = (
-        cfg["num_hidden_layers"]
-        * 4
-        * (cfg["num_heads"] * cfg["head_k_dim"] * cfg["head_v_dim"] + (cfg["conv_size"] - 1) * cfg["hidden_size"])
-    )
-    llm = LLM(
-        model=str(laplace_ckpt),
-        dtype="float32",
-        max_model_len=2048,
-        max_num_seqs=MAX_NUM_SEQS,
-        max_num_batched_tokens=BUDGET,
-        kv_cache_memory_bytes=POOL_SLOTS * page,
-        enable_prefix_caching=True,
-        disable_log_stats=False,
-        seed=0,
-    )
+    llm = laplace_engine(laplace_ckpt, max_num_batched_tokens=BUDGET, enable_prefix_caching=True)
     cc = llm.llm_engine.vllm_config.cache_config
     assert (cc.mamba_cache_mode, cc.mamba_block_size, cc.block_size) == ("align", BLOCK, BLOCK)
     yield llm

@@ -177,6 +177,25 @@ TRINITY_ARRIVALS = [0, 0, 2]
 FP8_LATENT = {"latent_cache_dtype": "fp8"}
 
 
+def trinity_runner(
+    ckpt: Path, compile_backend: str | None, tp: int = 1, rank: int = 0, **engine_args: Any
+) -> BetaRunner:
+    """The Beta runner on an MLA-Trinity checkpoint with TRINITY_NC's buckets (max_model_len 512, 32 blocks of 32)."""
+    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLABetaModel
+
+    return BetaRunner(
+        TrinityMLABetaModel,
+        ckpt,
+        runner_config(ckpt, 512, tp=tp, **engine_args),
+        TRINITY_NC,
+        block_size=32,
+        num_blocks=32,
+        max_num_batched_tokens=TRINITY_MAX_TOKENS,
+        rank=rank,
+        compile_backend=compile_backend,
+    )
+
+
 def vllm_tokens(mla: Path, additional_config: dict[str, Any] | None = None) -> list[list[int]]:
     """vLLM's greedy tokens for TRINITY_PROMPTS on the float32 MLA checkpoint (one eager engine, TP 1)."""
     from vllm import LLM
@@ -215,22 +234,12 @@ def test_trinity_through_beta_contract_equals_vllm(
     vLLM and the adapter differ only in summation order, so every token must agree. (On the packed checkpoint a
     long prompt can legitimately differ: FP8 activation rounding turns a 1e-7 difference into a ~0.1 logit jump,
     see tests/test_packed_vllm.py, and a near-tie then flips.)"""
-    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLABetaModel
 
     mla, _ = trinity_ckpts
     monkeypatch.setenv("VLLM_TRN_KERNELS", "torch")
     prompts, expected = TRINITY_PROMPTS, trinity_expected
 
-    runner = BetaRunner(
-        TrinityMLABetaModel,
-        mla,
-        runner_config(mla, 512),
-        TRINITY_NC,
-        block_size=32,
-        num_blocks=32,
-        max_num_batched_tokens=TRINITY_MAX_TOKENS,
-        compile_backend=compile_backend,
-    )
+    runner = trinity_runner(mla, compile_backend)
     t0 = time.perf_counter()
     got = runner.generate([Request(p, a) for p, a in zip(prompts, TRINITY_ARRIVALS)])
     seconds = time.perf_counter() - t0
@@ -264,21 +273,11 @@ def test_trinity_fp8_latent_through_beta_contract_equals_vllm(
     table) and decode (the kernel op with the scales, crossing context buckets) read them, and every token equals
     vLLM's own FP8-latent engine on the same checkpoint (the same rounding of the same latents)."""
     from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE
-    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLABetaModel
 
     mla, _ = trinity_ckpts
     monkeypatch.setenv("VLLM_TRN_KERNELS", "torch")
     expected = vllm_tokens(mla, FP8_LATENT)
-    runner = BetaRunner(
-        TrinityMLABetaModel,
-        mla,
-        runner_config(mla, 512, additional_config=FP8_LATENT),
-        TRINITY_NC,
-        block_size=32,
-        num_blocks=32,
-        max_num_batched_tokens=TRINITY_MAX_TOKENS,
-        compile_backend="aot_eager",
-    )
+    runner = trinity_runner(mla, "aot_eager", additional_config=FP8_LATENT)
     latent = runner.latent_layers()
     assert latent and all(a.kv_cache.dtype == FP8_DTYPE and a.latent_scales is not None for a in latent)
     got = runner.generate([Request(p, a) for p, a in zip(TRINITY_PROMPTS, TRINITY_ARRIVALS)])
@@ -359,25 +358,13 @@ def _trinity_tp_rank(rank: int, world: int, mla: str, init_file: str, out_dir: s
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
-    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLABetaModel
-
     os.environ["VLLM_TRN_KERNELS"] = "torch"
     torch.set_num_threads(1)
     with set_current_vllm_config(VllmConfig()):
         ps.init_distributed_environment(world, rank, f"file://{init_file}", rank, backend="gloo")
         ps.initialize_model_parallel(world, 1)
     ckpt = Path(mla)
-    runner = BetaRunner(
-        TrinityMLABetaModel,
-        ckpt,
-        runner_config(ckpt, 512, tp=world),
-        TRINITY_NC,
-        block_size=32,
-        num_blocks=32,
-        max_num_batched_tokens=TRINITY_MAX_TOKENS,
-        rank=rank,
-        compile_backend="aot_eager",
-    )
+    runner = trinity_runner(ckpt, "aot_eager", tp=world, rank=rank)
     got = runner.generate([Request(p, a) for p, a in zip(TRINITY_PROMPTS, TRINITY_ARRIVALS)])
     spec = runner.model.get_kv_spec()
     latent = runner.model._latent[0]
