@@ -174,6 +174,11 @@ def main(argv: list[str] | None = None) -> None:
         from vllm_trn_plugin.bench import main as bench_main
 
         raise SystemExit(bench_main(argv[1:]))
+    if argv[:1] == ["gate"]:
+        # Its own parser too: sides, text, thresholds (vllm-trn gate --help).
+        from vllm_trn_plugin.gate.cli import main as gate_main
+
+        raise SystemExit(gate_main(argv[1:]))
     p = argparse.ArgumentParser(prog="vllm-trn", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="write a small random checkpoint with an offline tokenizer")
@@ -215,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     q.add_argument("--measure", action="store_true", help="print each layer's MLP output error (costs a forward)")
     sub.add_parser("serve", help="vllm serve DIR [vLLM options]: the OpenAI-compatible server", add_help=False)
     sub.add_parser("bench", help="load-test OpenAI-compatible endpoints (vllm-trn bench --help)", add_help=False)
+    sub.add_parser("gate", help="pass or fail a candidate against a reference (vllm-trn gate --help)", add_help=False)
     sub.add_parser("vllm", help="vLLM's own command line, e.g. vllm-trn vllm bench serve --help", add_help=False)
     args = p.parse_args(argv)
     {"demo": demo, "pack": pack, "convert-mla": convert_mla, "quantize": quantize}[args.cmd](args)
