@@ -51,6 +51,8 @@ from vllm_trn_plugin.bench.client import RequestResult, Target, stream_request
 from vllm_trn_plugin.bench.local import LocalServer, scratch_dir, serve_demo, vllm_trn_command
 from vllm_trn_plugin.bench.workload import RequestSpec
 
+# Idle servers must not spin on the cores the measured one uses: OpenMP's threads sleep when they wait.
+ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 WORDS = "the of and to in is was for on are with as at be by this from or have an they which one you were".split()
 
 
@@ -98,7 +100,7 @@ def start_servers(args: argparse.Namespace, root: Path) -> dict[str, LocalServer
         for name, flags in variants.items():
             t0 = time.perf_counter()
             log = root / f"server-{name.replace('/', '-')}.log"
-            servers[name] = serve_demo(ckpt, log, extra=common + flags, dtype=args.dtype).wait_healthy(900)
+            servers[name] = serve_demo(ckpt, log, extra=common + flags, env=ENV, dtype=args.dtype).wait_healthy(900)
             print(f"  server {name}: up in {time.perf_counter() - t0:.0f} s ({servers[name].url}; log {log})")
     except BaseException:
         for s in servers.values():
