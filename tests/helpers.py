@@ -16,6 +16,9 @@ from vllm_trn_plugin.bench.ties import compare_greedy
 POOL_SLOTS = 40  # state pages in the session engine's pool
 MAX_NUM_SEQS = 64  # more than the pool holds: admission is limited by free pages
 TOKEN_BUDGET = 256  # max_num_batched_tokens: prompts longer than this are prefilled in chunks
+# Nats, float32 engines: how far a chosen token's logprob may move when only the summation order changes (batch
+# composition, how a prompt is split into chunks or restored from a cached prefix).
+LOGPROB_TOL = 1e-4
 
 
 TRN2 = Path(__file__).resolve().parents[1] / "deploy" / "trn2"

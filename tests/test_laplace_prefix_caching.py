@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import (
+    LOGPROB_TOL,
     check_batched_against_alone,
     chosen_steps,
     greedy_params,
@@ -34,7 +35,6 @@ pytestmark = pytest.mark.vllm
 
 BLOCK = 256  # tokens per checkpoint in this module's engine: the plugin's default (asserted by the fixture)
 BUDGET = 512  # max_num_batched_tokens
-LOGPROB_TOL = 1e-4  # float32, nats: the same bound as batch invariance (tests/test_laplace_vllm.py)
 STEPS = 12
 
 

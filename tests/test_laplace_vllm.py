@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import (
+    LOGPROB_TOL,
     POOL_SLOTS,
     PROBE_TOKENS,
     PROBES,
@@ -27,7 +28,6 @@ pytestmark = pytest.mark.vllm
 
 # Lengths around the 128-token chunk edges and past the 256-token batch budget.
 MIXED_LENGTHS = [1, 7, 127, 128, 129, 300, 517, 40, 255, 256, 257, 3, 64, 200, 90, 411]
-LOGPROB_TOL = 1e-4  # float32 engine, nats; batch composition changes summation order only
 
 
 def test_greedy_equals_plain_pytorch_forward(laplace_llm, laplace_ref) -> None:

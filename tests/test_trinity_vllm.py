@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.helpers import (
+    LOGPROB_TOL,
     check_batched_against_alone,
     chosen_steps,
     random_prompts,
@@ -29,7 +30,6 @@ VOCAB = 259
 WINDOW = 64  # AFMOE_SMALL's sliding window: every fidelity prompt is longer
 FIDELITY_LENGTHS = [100, 150, 200, 130, 300]
 MIXED_LENGTHS = [1, 7, 63, 64, 65, 129, 300, 40, 255, 257, 3, 90, 200, 411, 17, 128]
-LOGPROB_TOL = 1e-4
 
 
 def _params(max_tokens: int, logprobs: int = 2):  # noqa: ANN202

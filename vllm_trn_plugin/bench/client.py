@@ -55,8 +55,8 @@ class RequestResult:
     chunks: int = 0
     output_tokens: int = 0
     prompt_tokens: int = 0
-    cached_tokens: int | None = None  # from the server's prefix cache, where it reports them (vLLM:
-    # --enable-prompt-tokens-details)
+    # Prompt tokens served from the server's prefix cache, where it reports them (vLLM: --enable-prompt-tokens-details).
+    cached_tokens: int | None = None
     finish_reason: str | None = None
     text: str = ""
 
