@@ -2,19 +2,20 @@
 
 Who computes (VLLM_TRN_KERNELS, read at every call so a running engine can be switched in tests):
 
-- ``auto`` (default): the NKI kernel on a Neuron device with the genuine ``nki`` package, else torch;
+- ``auto`` (default): on a Neuron device the NKI kernel, as the Neuron stack's graph op (kernels/nki_ops.py);
+  elsewhere the torch path;
 - ``torch``: the exact torch path (CPU, and any device without NKI);
 - ``emulate``: the NKI kernel run by the project's NumPy NKI emulator (kernels/nki_emu) inside the real
   forward pass: slow, and the same kernel source the device runs;
-- ``nki``: the NKI kernel, required (an error off a Neuron device).
+- ``nki``: the NKI kernel as the Neuron stack's graph op, required (an error where no Neuron torch stack is
+  installed).
 
-Each op's torch path lives in ``<op>.py`` and its kernel with the host wrapper in ``<op>_nki.py``; a
-``*_nki`` module (and with it the NKI shim and, without the genuine package, the emulator) is imported
-only when a kernel is to run, so the torch path never loads them.
-
-On device a kernel is called the way the Neuron PyTorch stack calls NKI: ``wrap_nki(kernel)[lnc](...)``
-(the torch.compile-traceable higher-order op of vllm-neuron / libtorch_neuronx_lite, which carries the
-in-place aliasing of the cache and state writes).
+Two forms of each op. Off Neuron, a torch custom op (namespace ``trn``, below) whose body chooses the torch path or
+the emulator when it runs; a compiled graph holds it as one node. On Neuron, the op kernels/nki_ops.py registers with
+the stack's ``nki_op``, which the device compiler lowers to the kernel; the choice between the two is made when the
+model's graph is traced. Each op's torch path lives in ``<op>.py`` and its kernel with the host wrapper in
+``<op>_nki.py``; a ``*_nki`` module (and with it the NKI shim and, without the genuine package, the emulator) is
+imported only when a kernel is to run, so the torch path never loads them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from vllm_trn_plugin import envs
+from vllm_trn_plugin.kernels import nki_ops
 from vllm_trn_plugin.kernels.fp8_expert import ExpertWeights
 from vllm_trn_plugin.kernels.fp8_expert import fp8_experts as fp8_experts_torch
 from vllm_trn_plugin.kernels.latent_decode import AbsorbedWeights, PagedLatents, latent_decode_torch
@@ -34,31 +36,31 @@ from vllm_trn_plugin.kernels.simple_gla import simple_gla_decode_step
 Runner = Callable[[Any], Callable[..., Any]]
 
 
-def _device_runner(kernel: Any) -> Callable[..., Any]:
-    try:  # vllm-neuron's Beta models import it from here
-        from vllm_neuron.nki.nki_hop import wrap_nki  # type: ignore[import-not-found]
-    except ImportError:
-        from libtorch_neuronx_lite.nki.nki_hop import wrap_nki  # type: ignore[import-not-found]
-
-    return wrap_nki(kernel)[1]
+@torch._dynamo.assume_constant_result
+def graph_kernels(device: torch.device) -> bool:
+    """Whether the kernels enter the graph as the Neuron stack's kernel ops (kernels/nki_ops.py) for tensors on
+    `device`, rather than as this module's ``trn`` ops. Decided when a graph is traced, and a constant of it (no
+    guard on the environment): switching ``VLLM_TRN_KERNELS`` between torch and emulate, which the ``trn`` ops read
+    when they run, never recompiles a graph."""
+    mode = envs.kernels()
+    if mode == "nki":
+        if not nki_ops.registered():
+            raise RuntimeError(
+                f"{envs.KERNELS}=nki needs the Neuron torch stack (torch-neuronx or libtorch-neuronx-lite with nki): "
+                "none is installed; use emulate or torch"
+            )
+        return True
+    return mode == "auto" and device.type == "neuron" and nki_ops.registered()
 
 
 def kernel_runner(device: torch.device) -> Runner | None:
-    """How to run an NKI kernel for tensors on `device`, or None for the torch path."""
-    mode = envs.kernels()
-    if mode == "torch" or (mode == "auto" and device.type != "neuron"):
+    """How a ``trn`` op runs its NKI kernel: the emulator's ``simulate`` under ``emulate``, else None (the torch
+    path; on a Neuron device the kernels are the graph ops of kernels/nki_ops.py instead)."""
+    if envs.kernels() != "emulate":
         return None
-    from vllm_trn_plugin.kernels.nki_shim import USING_EMULATOR, simulate
+    from vllm_trn_plugin.kernels.nki_shim import simulate
 
-    if mode == "emulate":
-        return simulate
-    on_neuron = device.type == "neuron" and not USING_EMULATOR
-    if mode == "nki" and not on_neuron:
-        raise RuntimeError(
-            f"{envs.KERNELS}=nki needs a Neuron device and the nki package (tensors on {device}, "
-            f"nki {'missing' if USING_EMULATOR else 'present'}); use emulate or torch"
-        )
-    return _device_runner if on_neuron else None
+    return simulate
 
 
 def _kernel_wrapper(op: str, wrapper: str) -> Callable[..., torch.Tensor]:
@@ -72,7 +74,7 @@ def _kernel_wrapper(op: str, wrapper: str) -> Callable[..., torch.Tensor]:
 
 
 @torch.library.custom_op("trn::gla_decode_step", mutates_args=("state_pool",))
-def gla_decode_step(
+def _gla_decode_step(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -90,13 +92,13 @@ def gla_decode_step(
     return _kernel_wrapper("simple_gla", "gla_decode_nki")(q, k, v, aug, log_decay, scale, state_pool, slots, runner)
 
 
-@gla_decode_step.register_fake
+@_gla_decode_step.register_fake
 def _(q, k, v, aug, log_decay, scale, state_pool, slots):  # noqa: ANN001, ANN202
     return q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
 
 
 @torch.library.custom_op("trn::latent_decode", mutates_args=())
-def latent_decode(
+def _latent_decode(
     q: torch.Tensor,
     gamma: torch.Tensor,
     w_k: torch.Tensor,
@@ -120,13 +122,13 @@ def latent_decode(
     return _kernel_wrapper("latent_decode", "latent_decode_nki")(q, w, h, runner)
 
 
-@latent_decode.register_fake
+@_latent_decode.register_fake
 def _(q, gamma, w_k, w_v, cache, key_scales, block_table, seq_lens, scale, block_size, latent_scales=None):  # noqa: ANN001, ANN202
     return q.new_empty(q.shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("trn::fp8_experts", mutates_args=())
-def fp8_experts(
+def _fp8_experts(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -140,7 +142,7 @@ def fp8_experts(
 ) -> torch.Tensor:
     """MLA-Trinity's routed experts (fp8_expert.fp8_experts): x.dtype [T, H]. Which experts run depends on the
     routing, so the op chooses them itself. A stack held in bf16 or the model dtype (the VLLM_TRN_ALLOW_BF16 opt-in,
-    or unquantized experts under the Beta contract) always takes the torch path: the kernel is FP8 x FP8 only.
+    or unquantized experts off Neuron) always takes the torch path: the kernel is FP8 x FP8 only.
     `all_local` False (expert parallelism): ids < 0 name other ranks' experts."""
     experts = ExpertWeights(w13, s13, b13, w2, s2, b2)
     runner = kernel_runner(x.device)
@@ -149,10 +151,73 @@ def fp8_experts(
     return _kernel_wrapper("fp8_expert", "fp8_experts_nki")(x, topk_weights, topk_ids, experts, runner, all_local)
 
 
-@fp8_experts.register_fake
+@_fp8_experts.register_fake
 def _(x, topk_weights, topk_ids, w13, s13, b13, w2, s2, b2, all_local):  # noqa: ANN001, ANN202
     return torch.empty_like(x)
 
 
 # The op names as vLLM's compilation config writes them (splitting ops).
 KERNEL_OPS = ("trn::gla_decode_step", "trn::latent_decode", "trn::fp8_experts")
+
+
+# --- what the models call: the Neuron graph op on Neuron, else the trn op ---
+
+
+def gla_decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    aug: torch.Tensor,
+    log_decay: torch.Tensor,
+    scale: float,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Laplace's GLA decode step (`_gla_decode_step`): o [B, H, dv]; `state_pool[slots[b]]` updated in place."""
+    op = torch.ops.trn.nki_gla_decode_step if graph_kernels(q.device) else torch.ops.trn.gla_decode_step
+    return op(q, k, v, aug, log_decay, scale, state_pool, slots)
+
+
+def latent_decode(
+    q: torch.Tensor,
+    gamma: torch.Tensor,
+    w_k: torch.Tensor,
+    w_v: torch.Tensor,
+    cache: torch.Tensor,
+    key_scales: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    block_size: int,
+    latent_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """MLA-Trinity's absorbed latent decode (`_latent_decode`): [B, H, hd] fp32."""
+    op = torch.ops.trn.nki_latent_decode if graph_kernels(q.device) else torch.ops.trn.latent_decode
+    return op(q, gamma, w_k, w_v, cache, key_scales, block_table, seq_lens, scale, block_size, latent_scales)
+
+
+def fp8_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    b13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    b2: torch.Tensor,
+    all_local: bool,
+) -> torch.Tensor:
+    """MLA-Trinity's routed experts (`_fp8_experts`): x.dtype [T, H]. On Neuron the kernel is FP8 x FP8 only: an
+    expert stack in another dtype is refused when the graph is traced."""
+    if graph_kernels(x.device):
+        if not ExpertWeights(w13, s13, b13, w2, s2, b2).fp8:
+            raise NotImplementedError(
+                f"routed experts in {w13.dtype} / {w2.dtype}: on Neuron the experts run in the FP8 kernel, which "
+                "needs a packed checkpoint (vllm-trn pack: MXFP4 experts expanded to FP8 at load)"
+            )
+        return torch.ops.trn.nki_fp8_experts(x, topk_weights, topk_ids, w13, s13, b13, w2, s2, b2, all_local)
+    return torch.ops.trn.fp8_experts(x, topk_weights, topk_ids, w13, s13, b13, w2, s2, b2, all_local)
+
+
+nki_ops.register_installed()

@@ -96,6 +96,7 @@ from vllm_trn_plugin.kernels.fp8_expert import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX,
 from vllm_trn_plugin.kernels.nki_shim import nisa, nki, nl
 
 P = 128  # partitions
+LNC_DEGREES = (1,)  # the LNC degrees the kernel runs at (kernels/nki_ops.py refuses a deployment at another)
 MAX_TOKENS = 128  # tokens per kernel call: the amax transpose puts tokens on partitions
 PSUM_BANK_F32 = 512
 

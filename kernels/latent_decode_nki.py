@@ -98,6 +98,7 @@ from vllm_trn_plugin.kernels.latent_decode import AbsorbedWeights, PagedLatents,
 from vllm_trn_plugin.kernels.nki_shim import nisa, nki, nl
 
 P = 128  # partitions; keys per tile
+LNC_DEGREES = (1,)  # the LNC degrees the kernel runs at (kernels/nki_ops.py refuses a deployment at another)
 NBUF = 2  # gather buffers: the next tile's DMA need not wait for the previous tile's last read
 BUCKETS = (2304, 4352, 8448, 16640)  # context buckets (keys); each a whole number of 128-key tiles
 FLT_MAX = 3.4028234663852886e38
@@ -343,6 +344,27 @@ def row_table(
     return torch.where(live, rows, n_rows).to(torch.int32)
 
 
+def kernel_inputs(q: torch.Tensor, w: AbsorbedWeights, h: PagedLatents, bucket: int) -> tuple[Any, ...]:
+    """`latent_decode_kernel`'s arguments for a context bucket of `bucket` keys (a multiple of 128 holding every
+    L_b), from the model's tensors as it holds them: torch ops only, no host read (a compiled graph holds them).
+    The cache may be [num_blocks, bs, r] or [rows, r], the key scales [..., Hkv] and an FP8 cache's latent_scales
+    [num_blocks, bs] or [rows] (viewed, not copied); the block table becomes the per-key row table (`row_table`)."""
+    cache = h.cache.reshape(-1, h.cache.shape[-1])
+    key_scales = h.key_scales.reshape(-1, h.key_scales.shape[-1])
+    lens = h.seq_lens.to(h.block_table.device)
+    rows = row_table(h.block_table, lens, h.block_size, bucket, cache.shape[0])
+    args = (q, w.gamma, w.w_k, w.w_v, cache, key_scales, rows, lens.to(q.device, torch.int32), float(w.scale))
+    if h.latent_scales is not None:
+        args += (h.latent_scales.reshape(-1),)
+    return args
+
+
+def device_bucket(table_width: int, block_size: int) -> int:
+    """The kernel's bucket for a block table of `table_width` blocks (a compiled graph's context bucket): its keys
+    rounded up to whole 128-key tiles. Fixed by the shapes alone, so a graph needs no host read to choose it."""
+    return -(-table_width * block_size // P) * P
+
+
 def latent_decode_nki(
     q: torch.Tensor,
     w: AbsorbedWeights,
@@ -355,12 +377,8 @@ def latent_decode_nki(
     `runner` is the shim's `simulate` in emulation, or whatever calls an `nki.jit` kernel on the
     device. Checks the compile-time contract (the op's `PagedLatents.lengths`, a block size that is a
     power of two, L_b <= bucket), picks the smallest bucket holding max(L_b) unless `bucket` is
-    given (a multiple of 128; tests use small ones), expands the block table into the per-key row
-    table (the only layout work) and calls `runner(latent_decode_kernel)(...)`. The cache may be
-    [num_blocks, bs, r] or [rows, r], the key scales [..., Hkv] and an FP8 cache's latent_scales
-    [num_blocks, bs] or [rows] (reshaped, not copied; `check_latent_scales` checks the pairing); every
-    tensor goes in its own dtype. A float cache calls the kernel with the same arguments as before the
-    FP8 variant existed.
+    given (a multiple of 128; tests use small ones), and calls `runner(latent_decode_kernel)` on
+    `kernel_inputs`. A float cache calls the kernel with the same arguments as before the FP8 variant existed.
     """
     check_latent_scales(h)
     bs = h.block_size
@@ -373,15 +391,7 @@ def latent_decode_nki(
         raise ValueError(f"bucket {bucket} is not a multiple of {P}")
     if max_len > bucket:
         raise ValueError(f"seq_len {max_len} exceeds the kernel's bucket {bucket}")
-    lens = h.seq_lens.detach().cpu().long()
-    cache = h.cache.reshape(-1, h.cache.shape[-1])
-    key_scales = h.key_scales.reshape(-1, h.key_scales.shape[-1])
-    rows = row_table(h.block_table, lens.to(h.block_table.device), bs, bucket, cache.shape[0])
-    args = (q, w.gamma, w.w_k, w.w_v, cache, key_scales, rows, lens.to(torch.int32).to(q.device), float(w.scale))
-    if h.latent_scales is not None:
-        args += (h.latent_scales.reshape(-1),)
-    out = runner(latent_decode_kernel)(*args)
-    return out.float()
+    return runner(latent_decode_kernel)(*kernel_inputs(q, w, h, bucket)).float()
 
 
 def latent_decode_cost(

@@ -87,13 +87,15 @@ import torch
 
 from vllm_trn_plugin.kernels.nki_shim import nisa, nki, nl
 
+LNC_DEGREES = (1,)  # the LNC degrees the kernel runs at (kernels/nki_ops.py refuses a deployment at another)
+
 PMAX = 128  # SBUF/PSUM partitions; also the stationary free size limit of nc_matmul
 MOVING_FMAX = 512  # nc_matmul moving free size limit on trn2 (one PSUM bank of fp32)
 
 
 @nki.jit
 def gla_decode_kernel(q, k, v, aug, lam, state, slots, scale):  # noqa: ANN001, ANN201
-    """One GLA decode step for B sequences; returns o [B, H, dv] (q's dtype) and updates `state`.
+    """One GLA decode step for B sequences; returns (o [B, H, dv] in q's dtype, `state`), updating `state`.
 
     q, k [B, H, dk], v [B, H, dv] (bf16 or fp32); aug [H, dk]; lam [H] fp32; state [num_slots, E]
     fp32 with slot s's [H, dk, dv] state at state[s, :H*dk*dv]; slots [B] int32 (-1 = padding);
@@ -221,7 +223,8 @@ def gla_decode_kernel(q, k, v, aug, lam, state, slots, scale):  # noqa: ANN001, 
                 src=zero_sb,
                 oob_mode=nisa.oob_mode.skip,
             )
-    return o
+    # the state is returned as well: an in-place write is an output alias of the kernel for a graph compiler
+    return o, state
 
 
 def state_rows(state_pool: torch.Tensor) -> torch.Tensor:
@@ -259,17 +262,18 @@ def gla_decode_nki(
     """`simple_gla_decode_step` through the NKI kernel: same arguments, same result.
 
     runner: `simulate` from the NKI shim, or the device call; `runner(gla_decode_kernel)` is
-    called once. Host-side preparation, none of it touching the state: lam = exp(log_decay)
-    (torch, as the reference computes it), the pool viewed as rows (`state_rows`, no copy), slots
-    as int32, and q, k, v made contiguous (in the model they are column slices of the fused qkvg
-    projection: a B*H*(2dk+dv) copy). The state pool is updated in place. slots must lie in
-    [-1, num_slots) (unchecked here: the reference raises on a larger slot; the kernel would skip
-    its state as out of bounds but still write an output row).
+    called once. Preparation (torch ops only, none touching the state nor reading a value back: a compiled graph
+    holds them): lam = exp(log_decay) (torch, as the reference computes it), the pool viewed as rows
+    (`state_rows`, no copy), slots as int32, and q, k, v made contiguous (in the model they are column slices of
+    the fused qkvg projection: a B*H*(2dk+dv) copy). The state pool is updated in place (the kernel also returns
+    it, as a graph compiler's in-place aliasing needs). slots must lie in [-1, num_slots) (unchecked here: the
+    reference raises on a larger slot; the kernel would skip its state as out of bounds but still write an output
+    row).
     """
     if q.shape[0] == 0:
         return q.new_empty(0, q.shape[1], v.shape[2])
     lam = torch.exp(log_decay.to(q.device, torch.float32))
-    return runner(gla_decode_kernel)(
+    o, _ = runner(gla_decode_kernel)(
         q.contiguous(),
         k.contiguous(),
         v.contiguous(),
@@ -279,6 +283,7 @@ def gla_decode_nki(
         slots.to(torch.int32),
         float(scale),
     )
+    return o
 
 
 def gla_decode_cost(

@@ -42,9 +42,11 @@ from vllm_trn_plugin.configs.laplace import LaplaceConfig
 from vllm_trn_plugin.kernels import dispatch
 from vllm_trn_plugin.kernels.simple_gla import (
     causal_conv1d_prefill,
-    causal_conv1d_step,
+    causal_conv1d_prefill_padded,
+    causal_conv1d_window_step,
     geometric_log_decay,
     simple_gla_chunked_prefill,
+    simple_gla_prefill_padded,
 )
 from vllm_trn_plugin.model_executors.gla_state import GLAStateBackend, GLAStateMetadata
 from vllm_trn_plugin.model_executors.mxfp4_fp8 import check_all_loaded, packed_weights
@@ -128,45 +130,71 @@ class LaplaceMixer(MambaBase, nn.Module):
             return
         assert isinstance(meta, GLAStateMetadata)
         T, nd = meta.num_actual_tokens, meta.num_decode_tokens
-        H, dv = self.num_heads, self.head_v_dim
-        gla_pool, conv_pool = self.kv_cache
-        conv_w, conv_b = self.conv1d.weight[:, 0, :], self.conv1d.bias
-
-        x = torch.empty(T, self.hidden_size, dtype=h.dtype, device=h.device)
         if meta.num_decodes:
+            gla_pool, conv_pool = self.kv_cache
             slots = meta.decode_slots
             fresh = slots[meta.decode_fresh & (slots >= 0)]
             gla_pool[fresh] = 0
             conv_pool[fresh] = 0
-            x[:nd] = causal_conv1d_step(h[:nd], conv_w, conv_b, conv_pool, slots)
+            # a padding row (-1) runs its conv window in vLLM's null block (page 0, which no request owns)
+            output[:nd] = self.decode(h[:nd], slots.clamp(min=0), slots).to(output.dtype)
         if meta.num_prefills:
-            slots, has_state = meta.prefill_slots, meta.prefill_has_state
-            keep = has_state[:, None, None]
-            init_conv = torch.where(keep, conv_pool[slots], 0)
-            x[nd:], new_conv = causal_conv1d_prefill(h[nd:T], conv_w, conv_b, meta.prefill_cu_seqlens, init_conv)
-
-        q, k, v, g = self.project(x)
-        o = torch.empty(T, H, dv, dtype=h.dtype, device=h.device)
-        aug, log_decay = self.aug_balance, self.log_decay
-        if meta.num_decodes:
-            o[:nd] = dispatch.gla_decode_step(
-                q[:nd], k[:nd], v[:nd], aug, log_decay, self.scale, gla_pool, meta.decode_slots
-            )
-        if meta.num_prefills:
-            init_state = torch.where(keep[..., None], gla_pool[slots], 0)
-            o[nd:], final_state = simple_gla_chunked_prefill(
-                q[nd:], k[nd:], v[nd:], aug, log_decay, self.scale, meta.prefill_cu_seqlens, init_state
-            )
-            gla_pool[slots] = final_state
-            conv_pool[slots] = new_conv
-
-        output[:T] = self.gated_output(o, g).to(output.dtype)
+            o = self.prefill(h[nd:T], meta.prefill_cu_seqlens, meta.prefill_slots, meta.prefill_has_state)
+            output[nd:T] = o.to(output.dtype)
         output[T:] = 0
+
+    # --- the state as both runners use it (vLLM's, above; the device step, vllm_trn_plugin/neuron/laplace.py) ---
+
+    def decode(self, h: torch.Tensor, conv_pages: torch.Tensor, state_pages: torch.Tensor) -> torch.Tensor:
+        """One token per row, h [B, D] (after the layer's norm) -> the o_proj input [B, H * dv] fp32. Row b's conv
+        window is page conv_pages[b] (read and written: a padding row must name a page no request owns); its GLA
+        state is page state_pages[b], -1 for a padding row (neither read nor written, output 0)."""
+        gla_pool, conv_pool = self.kv_cache
+        x, window = causal_conv1d_window_step(
+            h, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_pool.index_select(0, conv_pages)
+        )
+        conv_pool.index_copy_(0, conv_pages, window)
+        q, k, v, g = self.project(x)
+        o = dispatch.gla_decode_step(q, k, v, self.aug_balance, self.log_decay, self.scale, gla_pool, state_pages)
+        return self.gated_output(o, g)
+
+    def prefill(
+        self, h: torch.Tensor, cu_seqlens: torch.Tensor, pages: torch.Tensor, has_state: torch.Tensor
+    ) -> torch.Tensor:
+        """Packed prompts h [T, D] (`cu_seqlens` on the host) -> the o_proj input [T, H * dv] fp32. Sequence n
+        continues from page pages[n] if has_state[n] (a later chunk), else from zero; its page is rewritten."""
+        gla_pool, conv_pool = self.kv_cache
+        keep = has_state[:, None, None]
+        x, conv = causal_conv1d_prefill(
+            h, self.conv1d.weight[:, 0, :], self.conv1d.bias, cu_seqlens, torch.where(keep, conv_pool[pages], 0)
+        )
+        q, k, v, g = self.project(x)
+        state0 = torch.where(keep[..., None], gla_pool[pages], 0)
+        o, state = simple_gla_chunked_prefill(q, k, v, self.aug_balance, self.log_decay, self.scale, cu_seqlens, state0)
+        gla_pool[pages] = state
+        conv_pool[pages] = conv
+        return self.gated_output(o, g)
+
+    def prefill_padded(
+        self, h: torch.Tensor, page: torch.Tensor, length: torch.Tensor, has_state: torch.Tensor
+    ) -> torch.Tensor:
+        """`prefill` of one prompt padded to a static length T, for a compiled graph: h [T, D] whose first `length`
+        (0-d tensor) tokens are real, page [1]; padded tokens neither change the state nor reach a real output."""
+        gla_pool, conv_pool = self.kv_cache
+        conv0 = torch.where(has_state, conv_pool.index_select(0, page)[0], 0)
+        x, conv = causal_conv1d_prefill_padded(h, self.conv1d.weight[:, 0, :], self.conv1d.bias, length, conv0)
+        q, k, v, g = self.project(x)
+        state0 = torch.where(has_state, gla_pool.index_select(0, page)[0], 0)
+        o, state = simple_gla_prefill_padded(q, k, v, self.aug_balance, self.log_decay, self.scale, length, state0)
+        gla_pool.index_copy_(0, page, state[None])
+        conv_pool.index_copy_(0, page, conv[None])
+        return self.gated_output(o, g)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fused projection of the conv output x [T, D]: q, k [T, H, dk], v [T, H, dv], g [T, H * dv]."""
         H, dk, dv = self.num_heads, self.head_k_dim, self.head_v_dim
-        q, k, v, g = self.qkvg_proj(x)[0].split([H * dk, H * dk, H * dv, H * dv], dim=-1)
+        # vLLM's CPU GEMM needs unit stride on the last dim; the conv step's einsum may hand back another layout
+        q, k, v, g = self.qkvg_proj(x.contiguous())[0].split([H * dk, H * dk, H * dv, H * dv], dim=-1)
         return q.view(-1, H, dk), k.view(-1, H, dk), v.view(-1, H, dv), g
 
     def gated_output(self, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

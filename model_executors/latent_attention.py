@@ -46,7 +46,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
 
 from vllm_trn_plugin.kernels import dispatch
 from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, quantize_per_token
-from vllm_trn_plugin.kernels.latent_decode import dequantize_latents, gather_blocks
+from vllm_trn_plugin.kernels.latent_decode import dequantize_latents
 
 # Under vLLM's logger tree: vLLM configures only that one, so an INFO line elsewhere is dropped.
 logger = init_logger(f"vllm.{__name__}")
@@ -223,7 +223,10 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         self.key_scales: torch.Tensor | None = None  # [cache rows, Hkv] fp32, beside kv_cache
         self.latent_scales: torch.Tensor | None = None  # [cache rows] fp32, beside an FP8 kv_cache
         self.kv_cache = torch.tensor([])
-        self._kv_weights_key: tuple[int, int] | None = None
+        # W_k, W_v [Hkv, hd, r] fp32: kv_b_proj's rows as the attention math reads them, converted once when the
+        # weights are loaded (`finish_loading`), so no step converts a weight.
+        self.register_buffer("w_k", torch.empty(0), persistent=False)
+        self.register_buffer("w_v", torch.empty(0), persistent=False)
 
         ctx = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in ctx:
@@ -250,7 +253,7 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         torch.ops.vllm.trn_latent_attention(q, latent, out, self.prefix)
         return self.gated_output(out, hidden_states)
 
-    # --- the layer's pieces (also the Beta contract's static step, vllm_trn_plugin/neuron/trinity_mla.py) ---
+    # --- the layer's pieces (also the Neuron adapter's static step, vllm_trn_plugin/neuron/trinity_mla.py) ---
 
     def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The queries after q_norm [T, H, hd] and the latents [T, r] of hidden states [T, D]."""
@@ -273,21 +276,18 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         heads = loaded.view(2, Hkv, hd, r)[:, self.kv_heads.start : self.kv_heads.stop]
         param.data.copy_(heads.reshape(param.shape))
 
-    # --- the cached part, run eagerly inside the custom op ---
-    def kv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_k, W_v as fp32 [Hkv, hd, r] (views of kv_b_proj's rows; converted on every call when it is not fp32)."""
+    def finish_loading(self) -> None:
+        """After the checkpoint is loaded: W_k, W_v in fp32 (`kv_weights`)."""
         Hkv, hd, r = self.num_kv_heads, self.head_dim, self.kv_lora_rank
         wf = self.kv_b_proj.weight.detach().float()
-        return wf[: Hkv * hd].view(Hkv, hd, r), wf[Hkv * hd :].view(Hkv, hd, r)
+        self.w_k = wf[: Hkv * hd].reshape(Hkv, hd, r).clone()
+        self.w_v = wf[Hkv * hd :].reshape(Hkv, hd, r).clone()
 
-    def _kv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`kv_weights`, converted once per weight version (not on every decode step)."""
-        w = self.kv_b_proj.weight
-        key = (w.data_ptr(), w._version)
-        if self._kv_weights_key != key:
-            self._kv_weights_fp32 = self.kv_weights()
-            self._kv_weights_key = key
-        return self._kv_weights_fp32
+    def kv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_k, W_v as fp32 [Hkv, hd, r] (the rows of kv_b_proj, converted once at load)."""
+        if self.w_k.dim() != 3:
+            raise RuntimeError(f"{self.prefix}: kv_b_proj not loaded (finish_loading() has not run)")
+        return self.w_k, self.w_v
 
     def key_scale(self, c: torch.Tensor, Wk: torch.Tensor) -> torch.Tensor:
         """s_g,i = 1 / rms(W_k,g c_i) for latents c [n, r]: [n, Hkv] fp32."""
@@ -328,48 +328,69 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
             output.zero_()
             return
         assert isinstance(meta, LatentMetadata)
-        T, r, bs = meta.num_actual_tokens, self.kv_lora_rank, meta.block_size
-        cache = self.kv_cache.view(-1, r)
-        scales = self.key_scales
-        if scales is None or scales.shape[0] != cache.shape[0]:
-            raise RuntimeError(f"{self.prefix}: the latent cache was set without bind_kv_cache (no key-scale store)")
-        Wk, Wv = self._kv_weights()
+        T, bs = meta.num_actual_tokens, meta.block_size
         valid = meta.slot_mapping >= 0
-        slots = meta.slot_mapping[valid]
-        rows, dequant = self.stored_latents(latent[:T][valid])
-        cache[slots] = rows
-        if dequant is not None:
-            self.latent_scales[slots] = dequant
-        scales[slots] = self.key_scale(self.latent_values(rows, dequant), Wk)  # from the latent as stored
+        self.write_latents(latent[:T][valid], meta.slot_mapping[valid])
 
         out = output[:T].view(T, self.num_heads, self.head_dim)
-        cache_blocks = cache.view(-1, bs, r)
         qsl, seq_lens, nd = meta.query_start_loc, meta.seq_lens, meta.num_decodes
         if nd:
-            decoded = dispatch.latent_decode(
-                q[:nd],
-                self.k_norm.weight,
-                Wk,
-                Wv,
-                cache,
-                scales,
-                meta.block_table[:nd],
-                seq_lens[:nd],
-                self.scaling,
-                bs,
-                self.latent_scales,
-            )
-            out[:nd] = decoded.to(out.dtype)
-        scale_blocks = scales.view(-1, bs, self.num_kv_heads)
-        dequant_blocks = None if self.latent_scales is None else self.latent_scales.view(-1, bs)
+            out[:nd] = self.decode(q[:nd], meta.block_table[:nd], seq_lens[:nd], bs).to(out.dtype)
         for b in range(nd, len(seq_lens)):
             L = int(seq_lens[b])
             s, e = int(qsl[b]), int(qsl[b + 1])
-            ids = meta.block_table[b, : -(-L // bs)]
-            c = gather_blocks(cache_blocks, ids, L)
-            c = self.latent_values(c, None if dequant_blocks is None else dequant_blocks[ids].reshape(-1)[:L])
-            out[s:e] = self._prefill(q[s:e], c, scale_blocks[ids].view(-1, self.num_kv_heads)[:L], Wk, Wv).to(out.dtype)
+            i = torch.arange(L, device=q.device)
+            c, ks = self.read_latents(meta.block_table[b, i // bs] * bs + i % bs)
+            Wk, Wv = self.kv_weights()
+            # lower-right causal bias: torch's CPU flash kernel, no [H, n, L] mask or score tensor in memory
+            o = self.rebuilt_attention(q[s:e], c, ks, Wk, Wv, causal_lower_right(e - s, L))
+            out[s:e] = o.to(out.dtype)
         output[T:] = 0
+
+    # --- the cache as both runners use it (vLLM's, above; the device step, vllm_trn_plugin/neuron/trinity_mla.py) ---
+
+    def write_latents(self, latent: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store latents [n, r] at cache rows `slots` [n] (every one a real row; rows count across blocks): the
+        latent as the cache keeps it, an FP8 latent's dequantization scale, and the key scales computed from the
+        latent as stored."""
+        cache = self.kv_cache.view(-1, self.kv_lora_rank)  # a view (never a copy): the write lands in the cache
+        if self.key_scales is None or self.key_scales.shape[0] != cache.shape[0]:
+            raise RuntimeError(f"{self.prefix}: the latent cache was set without bind_kv_cache (no key-scale store)")
+        slots = slots.long()
+        rows, dequant = self.stored_latents(latent)
+        cache.index_put_((slots,), rows)
+        if dequant is not None:
+            self.latent_scales.index_put_((slots,), dequant)
+        self.key_scales.index_put_((slots,), self.key_scale(self.latent_values(rows, dequant), self.kv_weights()[0]))
+
+    def read_latents(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The latents (dequantized: an FP8 row's codes times its scale) [n, r] and key scales [n, Hkv] at cache rows
+        `rows` [n]. A row never written reads whatever it holds (NaN in a fresh store): callers select it away."""
+        rows = rows.long()
+        stored = self.kv_cache.view(-1, self.kv_lora_rank).index_select(0, rows)
+        dequant = None if self.latent_scales is None else self.latent_scales.index_select(0, rows)
+        return self.latent_values(stored, dequant), self.key_scales.index_select(0, rows)
+
+    def decode(
+        self, q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
+        """Absorbed decode of one query per sequence (q [B, H, hd] after q_norm) over the first seq_lens[b] >= 1
+        positions of each sequence's blocks (of `block_size` rows): [B, H, hd] fp32, by the kernel op
+        `dispatch.latent_decode`."""
+        Wk, Wv = self.kv_weights()
+        return dispatch.latent_decode(
+            q,
+            self.k_norm.weight,
+            Wk,
+            Wv,
+            self.kv_cache,
+            self.key_scales,
+            block_table,
+            seq_lens,
+            self.scaling,
+            block_size,
+            self.latent_scales,
+        )
 
     def stored_latents(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Latents [n, r] as the cache stores them: (rows to write, their dequantization scales [n] fp32 or None).
@@ -384,14 +405,6 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         """The latents that stored cache rows [n, r] hold: the rows themselves, or FP8 codes times their per-token
         dequantization scales [n] (fp32). Prefill, the key scales and decode all read these values."""
         return rows if dequant is None else dequantize_latents(rows, dequant)
-
-    def _prefill(
-        self, q: torch.Tensor, c: torch.Tensor, s: torch.Tensor, Wk: torch.Tensor, Wv: torch.Tensor
-    ) -> torch.Tensor:
-        """Causal GQA for the last q.shape[0] of the L positions whose latents c [L, r] and key scales s [L, Hkv]
-        are given (`rebuilt_attention` with a lower-right causal bias: torch's CPU flash kernel, no [H, n, L]
-        mask or score tensor in memory)."""
-        return self.rebuilt_attention(q, c, s, Wk, Wv, causal_lower_right(q.shape[0], c.shape[0]))
 
     def rebuilt_attention(
         self,

@@ -221,4 +221,7 @@ class TrinityMLAForCausalLM(AfmoeForCausalLM):
         loaded |= AutoWeightsLoader(self).load_weights(rest(), mapper=self.hf_to_vllm_mapper)
         if packed:  # vLLM checks completeness only for unquantized models
             check_all_loaded(self, loaded)
+        for layer in self.model.layers:
+            if isinstance(layer.self_attn, TrinityLatentAttention):
+                layer.self_attn.finish_loading()
         return loaded

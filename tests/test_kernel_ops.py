@@ -99,3 +99,53 @@ def test_gla_step_writes_through_a_view_land_in_the_pool_under_compile() -> None
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert torch.equal(flat, eager_flat), "the compiled step's state write did not land in the caller's tensor"
     assert torch.equal(flat.view(pool.shape)[0], pool[0]), "an untouched page changed"
+
+
+# --- on Neuron: the kernels as the stack's graph ops (kernels/nki_ops.py), at the deployment's LNC ---
+
+
+def test_deployment_lnc_and_a_kernel_of_another_degree_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deployment's degree is NEURON_LOGICAL_NC_CONFIG, else Trn2's default 2; a degree some kernel does not run
+    at is refused when the ops are registered (at import on a Neuron host), naming the kernel, the degree, the
+    compiler's error and the setting that works, instead of failing in neuronx-cc at the first request."""
+    from vllm_trn_plugin.kernels import latent_decode_nki, nki_ops
+
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    assert nki_ops.deployment_lnc() == 2
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    assert nki_ops.deployment_lnc() == 1
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "4")
+    with pytest.raises(ValueError, match="NEURON_LOGICAL_NC_CONFIG='4'"):
+        nki_ops.deployment_lnc()
+    monkeypatch.setattr(latent_decode_nki, "LNC_DEGREES", (1,))
+    with pytest.raises(RuntimeError, match=r"latent_decode_kernel .* runs at LNC 1.*LNC=2.*NCC_EVRF066"):
+        nki_ops.check_lnc(2)
+    monkeypatch.setattr(nki_ops, "_registered", {})
+    with pytest.raises(RuntimeError, match="LNC=2"):
+        nki_ops.register(lambda *a, **k: None, lambda kernel: None, 2)
+    assert not nki_ops.registered()
+
+
+def test_nki_mode_without_a_neuron_stack_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """VLLM_TRN_KERNELS=nki asks for the kernels as Neuron graph ops: where no Neuron torch stack registered them, the
+    call says so instead of running another path; auto on CPU tensors takes the trn op."""
+    from vllm_trn_plugin.kernels import nki_ops
+
+    monkeypatch.setattr(nki_ops, "_registered", {})
+    monkeypatch.setenv("VLLM_TRN_KERNELS", "nki")
+    with pytest.raises(RuntimeError, match="VLLM_TRN_KERNELS=nki needs the Neuron torch stack"):
+        dispatch.gla_decode_step(*gla_args(torch.Generator().manual_seed(2)))
+    monkeypatch.setenv("VLLM_TRN_KERNELS", "auto")
+    assert not dispatch.graph_kernels(torch.device("cpu"))
+
+
+def test_placeholder_packages_are_not_a_neuron_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyPI's torch-neuronx and libtorch-neuronx-lite are empty placeholders: a module of that name without
+    nki_op / wrap_nki is no Neuron torch stack (nothing is registered on this host)."""
+    import sys
+    import types
+
+    from vllm_trn_plugin.kernels import nki_ops
+
+    monkeypatch.setitem(sys.modules, "torch_neuronx", types.ModuleType("torch_neuronx"))
+    assert nki_ops.neuron_torch_stack() is None

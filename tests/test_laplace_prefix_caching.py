@@ -196,7 +196,7 @@ def test_prefix_caching_options_are_checked_at_start(laplace_ckpt: Any) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_trn_plugin.engine_checks import LAPLACE_CHECKPOINT_TOKENS
-    from vllm_trn_plugin.neuron.laplace import LaplaceBetaModel
+    from vllm_trn_plugin.neuron.laplace import LaplaceNeuronModel
 
     def config(**kw: Any) -> Any:
         return EngineArgs(model=str(laplace_ckpt), dtype="float32", max_model_len=2048, **kw).create_engine_config()
@@ -215,7 +215,7 @@ def test_prefix_caching_options_are_checked_at_start(laplace_ckpt: Any) -> None:
         config(enable_prefix_caching=True, speculative_config=spec)
     cfg = config(enable_prefix_caching=True)
     with set_current_vllm_config(cfg), pytest.raises(NotImplementedError, match="--enable-prefix-caching"):
-        LaplaceBetaModel.from_configs(cfg.model_config.hf_config, {})
+        LaplaceNeuronModel.from_configs(cfg.model_config.hf_config, {})
 
 
 def test_served_multi_turn_chat_hits_the_cache_and_answers_as_without_it(

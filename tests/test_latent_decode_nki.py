@@ -400,8 +400,9 @@ def test_prefill_and_decode_normalise_keys_alike(cache_dtype: torch.dtype) -> No
     same query, in bf16 too: both read each key's scale from the store, so a request's last prompt token (prefill)
     and a decode step at the same position see the same keys (before, prefill normalised K rounded to bf16). From
     an FP8 cache both read the latents as stored: prefill dequantizes them, decode folds the scales in."""
-    import functools
     from types import SimpleNamespace
+
+    from torch.nn.attention.bias import causal_lower_right
 
     from vllm_trn_plugin.model_executors.latent_attention import TrinityLatentAttention
 
@@ -409,7 +410,6 @@ def test_prefill_and_decode_normalise_keys_alike(cache_dtype: torch.dtype) -> No
     decoded = latent_decode_torch(*case)
     (q, w, h) = case
     layer = SimpleNamespace(k_norm=SimpleNamespace(weight=w.gamma), scaling=w.scale)
-    layer.rebuilt_attention = functools.partial(TrinityLatentAttention.rebuilt_attention, layer)
     Hkv, r, bs = w.w_k.shape[0], w.w_k.shape[2], h.block_size
     worst = 0.0
     for b, L in enumerate(h.seq_lens.tolist()):
@@ -418,7 +418,8 @@ def test_prefill_and_decode_normalise_keys_alike(cache_dtype: torch.dtype) -> No
         d = None if h.latent_scales is None else h.latent_scales.view(-1, bs)[ids].reshape(-1)[:L]
         c = TrinityLatentAttention.latent_values(c, d)
         s = h.key_scales.view(-1, bs, Hkv)[ids].reshape(-1, Hkv)[:L]
-        got = TrinityLatentAttention._prefill(layer, q[b : b + 1], c, s, w.w_k, w.w_v)[0]
+        mask = causal_lower_right(1, L)  # the last prompt token's query, as the model's prefill masks it
+        got = TrinityLatentAttention.rebuilt_attention(layer, q[b : b + 1], c, s, w.w_k, w.w_v, mask)[0]
         worst = max(worst, float((got - decoded[b]).abs().max() / decoded[b].abs().max()))
     assert worst < 1e-5, worst  # fp32 summation order only
 

@@ -1,9 +1,10 @@
-"""Both models driven through the vllm-neuron "Beta" model contract, the way its runner drives a model,
-against real vLLM serving the same checkpoint: the same greedy tokens, token for token.
+"""Both models driven through vLLM Neuron's model contract, the way its runner drives a model, against real vLLM
+serving the same checkpoint: the same greedy tokens, token for token.
 
-`BetaRunner` (tests/fakes/beta_runner.py) plays vllm-neuron's `NeuronModelRunner` with its `NeuronScheduler`:
-bucketed, padded prefills and decodes, block tables trimmed to the window or a context bucket, greedy sampling at
-`sampling_positions`. Requests arrive while others decode and leave when done, so the batch bucket changes under them.
+`NeuronRunner` (tests/fakes/neuron_runner.py) plays vllm-neuron's `NeuronModelRunner` with its `NeuronScheduler`:
+bucketed, padded prefills (segmented when max_num_batched_tokens < max_model_len) and decodes, block tables trimmed
+to the window or a context bucket, sampling at `sampling_positions` (on device, or on the host). Requests arrive while
+others decode and leave when done, so the batch bucket changes under them.
 
 Reference: real vLLM (CPU build) on the same checkpoint, greedy, all prompts at once: for Laplace the session's
 float32 engine, for MLA-Trinity one eager engine on a float32 MLA checkpoint converted exactly from a random
@@ -23,17 +24,25 @@ from typing import Any
 import pytest
 import torch
 
-from tests.fakes.beta_runner import STEPS, BetaRunner, Request, opaque_ops, runner_config
+from tests.fakes.neuron_runner import (
+    NULL_BLOCK_ID,
+    PAD_SLOT_ID,
+    STEPS,
+    NeuronRunner,
+    Request,
+    kernel_nodes,
+    opaque_ops,
+    runner_config,
+)
 from tests.helpers import count_calls, greedy_params, random_prompts, token_prompts, trn2_recipe_argv
 from vllm_trn_plugin.kernels.dispatch import KERNEL_OPS
-from vllm_trn_plugin.neuron.contract import PAD_SLOT_ID
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def worker() -> None:
-    """What the Beta worker sets up before load_model: a single-process (gloo) TP/PP/EP group. Under a config
+    """What the Neuron worker sets up before load_model: a single-process (gloo) TP/PP/EP group. Under a config
     without a model, so vLLM also creates the expert-parallel group MLA-Trinity's MoE layers ask for."""
     import torch.distributed as dist
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -55,7 +64,7 @@ def worker() -> None:
 
 
 @torch.inference_mode()  # the side stores the model allocates in its (inference-mode) forward
-def restore(runner: BetaRunner, saved: list[torch.Tensor]) -> None:
+def restore(runner: NeuronRunner, saved: list[torch.Tensor]) -> None:
     for t, s in zip(runner.state_tensors(), saved):
         t.copy_(s)
 
@@ -64,7 +73,7 @@ def _emulate_check(monkeypatch: pytest.MonkeyPatch, counters: dict[str, tuple[An
     """At one padded decode step: run it with the kernels in the emulator, restore every cache, run it on
     the torch path (the run that continues); both runs must pick the same tokens."""
 
-    def check(runner: BetaRunner, kwargs: dict[str, Any], n: int) -> None:
+    def check(runner: NeuronRunner, kwargs: dict[str, Any], n: int) -> None:
         saved = [t.clone() for t in runner.state_tensors()]
         calls = {k: count_calls(monkeypatch, mod, fn) for k, (mod, fn) in counters.items()}
         monkeypatch.setenv("VLLM_TRN_KERNELS", "emulate")
@@ -89,8 +98,8 @@ def _emulate_check(monkeypatch: pytest.MonkeyPatch, counters: dict[str, tuple[An
     return check
 
 
-def check_compiled(runner: BetaRunner) -> None:
-    """What the Beta runner's compile needs, seen on the runner's graphs: one static graph per warmed bucket and
+def check_compiled(runner: NeuronRunner) -> None:
+    """What the Neuron runner's compile needs, seen on the runner's graphs: one static graph per warmed bucket and
     none since (every serving step ran under fail_on_recompile), every bucket the steps used among them, and
     nothing in the graphs the compiler cannot see into but the declared kernel ops."""
     assert len(runner.graphs) == len(runner.warmup_seconds), (len(runner.graphs), sorted(runner.warmup_seconds))
@@ -99,31 +108,43 @@ def check_compiled(runner: BetaRunner) -> None:
     assert opaque_ops(runner.graphs, KERNEL_OPS) == {}
 
 
-@pytest.mark.parametrize("compile_backend", [None, "aot_eager"], ids=["eager", "compiled"])
-def test_laplace_through_beta_contract_equals_vllm(
-    laplace_ckpt: Path, laplace_llm: Any, worker: None, monkeypatch: pytest.MonkeyPatch, compile_backend: str | None
+@pytest.mark.parametrize(
+    "compile_backend,pad_slot,prompt_embeds",
+    [(None, NULL_BLOCK_ID, True), ("aot_eager", PAD_SLOT_ID, False)],
+    ids=["eager-0.24-padding-prompt-embeds", "compiled"],
+)
+def test_laplace_through_neuron_contract_equals_vllm(
+    laplace_ckpt: Path,
+    laplace_llm: Any,
+    worker: None,
+    monkeypatch: pytest.MonkeyPatch,
+    compile_backend: str | None,
+    pad_slot: int,
+    prompt_embeds: bool,
 ) -> None:
-    """Laplace driven as the Beta runner drives it, eagerly and compiled (one graph per bucket, warmed up, then
-    no recompile): the same tokens as vLLM's engine; at one padded decode step the GLA kernel in the emulator."""
+    """Laplace driven as vLLM Neuron's runner drives it, eagerly (padding at the 0.24 runner's slot 0, the prompts
+    given as embeddings) and compiled (padding at slot -1; one graph per bucket, warmed up, then no recompile): the
+    same tokens as vLLM's engine; at one padded decode step the GLA kernel in the emulator. A prompt longer than the
+    512-token budget is prefilled in 512-token segments (max_model_len 1024: segmented prefill)."""
     from vllm_trn_plugin.kernels import simple_gla_nki
-    from vllm_trn_plugin.neuron.laplace import LaplaceBetaModel
+    from vllm_trn_plugin.neuron.laplace import LaplaceNeuronModel
 
     monkeypatch.setenv("VLLM_TRN_KERNELS", "torch")
     prompts = random_prompts(4, [1, 37, 130, 600], seed=41)  # 600 > one 512-token segment
     served = laplace_llm.llm.generate(token_prompts(prompts), greedy_params(STEPS), use_tqdm=False)
     expected = [list(o.outputs[0].token_ids) for o in served]
 
-    nc = {"num_seqs_buckets": [1, 2, 4], "num_batched_tokens_buckets": [128, 256, 512]}
-    nc |= {"on_device_sampling_config": {}, "max_logprobs": 1}  # greedy on-device sampling, logits gathered
-    runner = BetaRunner(
-        LaplaceBetaModel,
+    nc = {"num_seqs_buckets": [1, 2, 4], "on_device_sampling_config": {}, "max_logprobs": 1}  # sampled on device
+    runner = NeuronRunner(
+        LaplaceNeuronModel,
         laplace_ckpt,
-        runner_config(laplace_ckpt, 1024),
+        runner_config(laplace_ckpt, 1024, max_num_batched_tokens=512),
         nc,
         block_size=32,
         num_blocks=8,
-        max_num_batched_tokens=512,
+        pad_slot=pad_slot,
         compile_backend=compile_backend,
+        prompt_embeds=prompt_embeds,
     )
     report: dict[str, Any] = {}
     runner.emulate_check = _emulate_check(monkeypatch, {"gla": (simple_gla_nki, "gla_decode_nki")}, report)
@@ -132,15 +153,15 @@ def test_laplace_through_beta_contract_equals_vllm(
     seconds = time.perf_counter() - t0
 
     for p, g, e in zip(prompts, got, expected):
-        assert g == e, f"prompt of {len(p)} tokens: Beta contract {g}, vLLM {e}"
+        assert g == e, f"prompt of {len(p)} tokens: Neuron contract {g}, vLLM {e}"
     assert report["kernel_calls"]["gla"] == 4, report  # one emulated GLA step per layer
     assert report["emulate_max_logit_diff"] < 1e-4, report
-    assert {("prefill", 128), ("prefill", 512), ("decode", 4), ("decode", 2), ("decode", 1)} <= runner.padded_shapes
+    assert {("prefill", 512), ("decode", 4), ("decode", 2), ("decode", 1)} <= runner.padded_shapes
     assert runner.stale_padded_rows > 0  # a padded row whose block-table row still names a live block
     if compile_backend is not None:
         check_compiled(runner)
     print(
-        f"\nLaplace via the Beta contract ({compile_backend or 'eager'}): {len(prompts)} prompts x {STEPS} tokens "
+        f"\nLaplace via the Neuron contract ({compile_backend or 'eager'}): {len(prompts)} prompts x {STEPS} tokens "
         f"equal vLLM's; shapes {sorted(runner.padded_shapes)}; {runner.stale_padded_rows} padded rows with stale "
         f"block tables; {runner.decode_steps} decode steps in {seconds:.1f} s (load {runner.load_seconds:.1f} s, "
         f"{len(runner.graphs)} graphs warmed in {sum(runner.warmup_seconds.values()):.1f} s); emulated decode step "
@@ -162,35 +183,36 @@ def trinity_ckpts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
     return mla, pack(mla, root / "packed").dst
 
 
+# Sampled on the host (on-device sampling set to null: Laplace's test samples on device); segmented prefill
+# (max_num_batched_tokens 512 < max_model_len 1024), so the token buckets are the segment, [512].
 TRINITY_NC = {
     "num_seqs_buckets": [1, 2, 4],
-    "num_batched_tokens_buckets": [64, 128],
-    "decode_context_length_buckets": [256],
+    "decode_context_length_buckets": [256, 512],
+    "on_device_sampling_config": None,
 }
-TRINITY_MAX_TOKENS = 128  # a step's token budget: the 252-token prompt is prefilled in two segments
+TRINITY_MAX_LEN = 1024
+TRINITY_MAX_TOKENS = 512  # a step's token budget: the 600-token prompt is prefilled in two segments
 
-# 252 > the sliding window (64); its decode crosses from the 256 context bucket to max_model_len's (512)
-TRINITY_PROMPTS = random_prompts(3, [7, 40, 252], seed=43)
-TRINITY_ARRIVALS = [0, 0, 2]
-
-
-FP8_LATENT = {"latent_cache_dtype": "fp8"}
+# 252 and 600 > the sliding window (64); the 252-token prompt's decode crosses from the 256 context bucket to the
+# 512 one (at its 5th decode step), then the 600-token prompt arrives and the batch decodes in max_model_len's (1024)
+TRINITY_PROMPTS = random_prompts(3, [7, 252, 600], seed=43)
+TRINITY_ARRIVALS = [0, 0, 6]
 
 
 def trinity_runner(
     ckpt: Path, compile_backend: str | None, tp: int = 1, rank: int = 0, **engine_args: Any
-) -> BetaRunner:
-    """The Beta runner on an MLA-Trinity checkpoint with TRINITY_NC's buckets (max_model_len 512, 32 blocks of 32)."""
-    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLABetaModel
+) -> NeuronRunner:
+    """The Neuron runner on an MLA-Trinity checkpoint with TRINITY_NC's buckets (max_model_len 1024, 48 blocks of
+    32)."""
+    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLANeuronModel
 
-    return BetaRunner(
-        TrinityMLABetaModel,
+    return NeuronRunner(
+        TrinityMLANeuronModel,
         ckpt,
-        runner_config(ckpt, 512, tp=tp, **engine_args),
+        runner_config(ckpt, TRINITY_MAX_LEN, tp=tp, max_num_batched_tokens=TRINITY_MAX_TOKENS, **engine_args),
         TRINITY_NC,
         block_size=32,
-        num_blocks=32,
-        max_num_batched_tokens=TRINITY_MAX_TOKENS,
+        num_blocks=48,
         rank=rank,
         compile_backend=compile_backend,
     )
@@ -203,7 +225,7 @@ def vllm_tokens(mla: Path, additional_config: dict[str, Any] | None = None) -> l
     llm = LLM(
         model=str(mla),
         dtype="float32",
-        max_model_len=512,
+        max_model_len=TRINITY_MAX_LEN,
         max_num_seqs=8,
         seed=0,
         enforce_eager=True,
@@ -223,7 +245,7 @@ def trinity_expected(trinity_ckpts: tuple[Path, Path]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("compile_backend", [None, "aot_eager"], ids=["eager", "compiled"])
-def test_trinity_through_beta_contract_equals_vllm(
+def test_trinity_through_neuron_contract_equals_vllm(
     trinity_ckpts: tuple[Path, Path],
     trinity_expected: list[list[int]],
     worker: None,
@@ -245,19 +267,20 @@ def test_trinity_through_beta_contract_equals_vllm(
     seconds = time.perf_counter() - t0
 
     for p, g, e in zip(prompts, got, expected):
-        assert g == e, f"prompt of {len(p)} tokens: Beta contract {g}, vLLM {e}"
+        assert g == e, f"prompt of {len(p)} tokens: Neuron contract {g}, vLLM {e}"
     assert {
-        ("prefill", 64),
-        ("prefill", 128),
+        ("prefill", 512),
         ("decode", 4),
         ("decode", 2),
         ("decode-ctx", 256),
         ("decode-ctx", 512),
+        ("decode-ctx", 1024),
     } <= runner.padded_shapes
     if compile_backend is not None:
         check_compiled(runner)
     print(
-        f"\nMLA-Trinity via the Beta contract ({compile_backend or 'eager'}): {len(prompts)} prompts x {STEPS} tokens "
+        f"\nMLA-Trinity via the Neuron contract ({compile_backend or 'eager'}): {len(prompts)} prompts x {STEPS} "
+        f"tokens "
         f"equal vLLM's; shapes {sorted(runner.padded_shapes)}; {runner.decode_steps} decode steps in {seconds:.1f} s "
         f"(load {runner.load_seconds:.1f} s, {len(runner.graphs)} graphs warmed in "
         f"{sum(runner.warmup_seconds.values()):.1f} s: "
@@ -265,63 +288,52 @@ def test_trinity_through_beta_contract_equals_vllm(
     )
 
 
-def test_trinity_fp8_latent_through_beta_contract_equals_vllm(
-    trinity_ckpts: tuple[Path, Path], worker: None, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    "engine_args,refusal",
+    [
+        ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8.*sliding layers"),
+        ({"additional_config": {"latent_cache_dtype": "fp8"}}, "latent_cache_dtype.*--kv-cache-dtype"),
+    ],
+    ids=["kv-cache-dtype-fp8", "fp8-latent"],
+)
+def test_neuron_adapter_refuses_fp8_caches(
+    trinity_ckpts: tuple[Path, Path], worker: None, engine_args: dict[str, Any], refusal: str
 ) -> None:
-    """`latent_cache_dtype: fp8` under the Beta contract, compiled: the runner allocates the latent caches in FP8
-    from the adapter's spec, the step writes codes and per-token scales by slot, prefill (segmented, over the whole
-    table) and decode (the kernel op with the scales, crossing context buckets) read them, and every token equals
-    vLLM's own FP8-latent engine on the same checkpoint (the same rounding of the same latents)."""
-    from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE
-
-    mla, _ = trinity_ckpts
-    monkeypatch.setenv("VLLM_TRN_KERNELS", "torch")
-    expected = vllm_tokens(mla, FP8_LATENT)
-    runner = trinity_runner(mla, "aot_eager", additional_config=FP8_LATENT)
-    latent = runner.latent_layers()
-    assert latent and all(a.kv_cache.dtype == FP8_DTYPE and a.latent_scales is not None for a in latent)
-    got = runner.generate([Request(p, a) for p, a in zip(TRINITY_PROMPTS, TRINITY_ARRIVALS)])
-    for p, g, e in zip(TRINITY_PROMPTS, got, expected):
-        assert g == e, f"prompt of {len(p)} tokens: Beta contract (FP8 latent) {g}, vLLM (FP8 latent) {e}"
-    assert {("decode-ctx", 256), ("decode-ctx", 512), ("prefill", 128)} <= runner.padded_shapes
-    written = sum(int(torch.isfinite(a.latent_scales).sum()) for a in latent)
-    assert written >= len(latent) * sum(len(p) + STEPS - 1 for p in TRINITY_PROMPTS)
-    check_compiled(runner)
-
-
-def test_beta_adapter_refuses_fp8_sliding_layers(trinity_ckpts: tuple[Path, Path], worker: None) -> None:
-    """--kv-cache-dtype fp8 asks for FP8 sliding layers too, which the adapter's step does not have: refused at
-    construction, naming the option and what does work, instead of serving them in the model dtype."""
+    """The runner allocates every layer's cache in the --kv-cache-dtype and the static step keeps the sliding layers
+    in the model dtype: an FP8 cache of either kind is refused when the model is built, naming the option, never
+    served in another dtype than asked (and not only at binding, after the weights have loaded)."""
     from vllm.config import set_current_vllm_config
 
-    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLABetaModel
+    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLANeuronModel
 
     mla, _ = trinity_ckpts
-    cfg = runner_config(mla, 512, kv_cache_dtype="fp8")
-    refused = pytest.raises(NotImplementedError, match="--kv-cache-dtype fp8.*latent_cache_dtype")
-    with set_current_vllm_config(cfg), refused:
-        TrinityMLABetaModel.from_configs(cfg.model_config.hf_config, {})
+    cfg = runner_config(mla, TRINITY_MAX_LEN, max_num_batched_tokens=TRINITY_MAX_TOKENS, **engine_args)
+    with set_current_vllm_config(cfg), pytest.raises(NotImplementedError, match=refusal):
+        TrinityMLANeuronModel.from_configs(cfg.model_config.hf_config, {})
 
 
-def test_trinity_kernels_in_emulator_through_beta_contract(
+def test_trinity_kernels_in_emulator_through_neuron_contract(
     trinity_ckpts: tuple[Path, Path], worker: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The packed checkpoint (FP8 experts), compiled, padded with the 0.21 convention (slot -1) this time: at the
-    first padded decode step the compiled graph's latent-decode and FP8-expert ops run the kernels in the emulator."""
+    """The packed checkpoint (FP8 experts), compiled, prefilled in one shot (max_model_len 512): at the first padded
+    decode step the compiled graph's latent-decode and FP8-expert ops run the kernels in the emulator."""
     from vllm_trn_plugin.kernels import fp8_expert_nki, latent_decode_nki
-    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLABetaModel
+    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLANeuronModel
 
     _, packed = trinity_ckpts
     monkeypatch.setenv("VLLM_TRN_KERNELS", "torch")
-    runner = BetaRunner(
-        TrinityMLABetaModel,
+    runner = NeuronRunner(
+        TrinityMLANeuronModel,
         packed,
-        runner_config(packed, 512),
-        {"num_seqs_buckets": [4], "num_batched_tokens_buckets": [128], "decode_context_length_buckets": [256]},
+        runner_config(packed, 512, max_num_batched_tokens=512),
+        {
+            "num_seqs_buckets": [4],
+            "num_batched_tokens_buckets": [128],
+            "decode_context_length_buckets": [256],
+            "on_device_sampling_config": None,
+        },
         block_size=32,
         num_blocks=32,
-        max_num_batched_tokens=128,
-        pad_slot=PAD_SLOT_ID,
         compile_backend="aot_eager",
     )
     report: dict[str, Any] = {}
@@ -335,10 +347,114 @@ def test_trinity_kernels_in_emulator_through_beta_contract(
     assert report["emulate_max_logit_diff"] < 0.5, report
     check_compiled(runner)
     print(
-        f"\nMLA-Trinity (packed) via the Beta contract, emulated decode step {report['emulate_rows']}: "
+        f"\nMLA-Trinity (packed) via the Neuron contract, emulated decode step {report['emulate_rows']}: "
         f"{report['kernel_calls']} kernel calls, greedy tokens equal, logits within "
         f"{report['emulate_max_logit_diff']:.1e}, {report['emulate_seconds']:.1f} s"
     )
+
+
+def _kernel_lnc() -> int:
+    """The largest LNC degree all three kernels run at (a deployment must compile for one of theirs)."""
+    from vllm_trn_plugin.kernels import fp8_expert_nki, latent_decode_nki, simple_gla_nki
+
+    return max(set(fp8_expert_nki.LNC_DEGREES) & set(latent_decode_nki.LNC_DEGREES) & set(simple_gla_nki.LNC_DEGREES))
+
+
+@pytest.fixture
+def neuron_torch_stack(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """torch-neuronx's NKI interface, stood in (tests/fakes/torch_neuronx.py), the kernel ops registered through it as
+    the plugin does at import on a Neuron host (nki_ops.register_installed), launched at an LNC every kernel runs at,
+    and selected for the model (VLLM_TRN_KERNELS=nki)."""
+    import sys
+
+    from tests.fakes import torch_neuronx
+    from vllm_trn_plugin.kernels import nki_ops
+
+    monkeypatch.setitem(sys.modules, "torch_neuronx", torch_neuronx)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", str(_kernel_lnc()))
+    nki_ops.register_installed()
+    monkeypatch.setenv("VLLM_TRN_KERNELS", "nki")
+    torch_neuronx.launches.clear()
+    return torch_neuronx
+
+
+def _graph_kernel_nodes(runner: NeuronRunner) -> tuple[list[dict], list[dict]]:
+    """The kernel nodes (op, mutated arguments) -> count of each prefill graph and each decode graph (warm-up order:
+    every token bucket, then every decode bucket)."""
+    nodes = [kernel_nodes([gm]) for gm in runner.graphs]
+    return nodes[: len(runner.token_buckets)], nodes[len(runner.token_buckets) :]
+
+
+def test_laplace_kernel_enters_the_graph_as_nki_op(
+    laplace_ckpt: Path, laplace_llm: Any, worker: None, neuron_torch_stack: Any
+) -> None:
+    """On Neuron the GLA kernel reaches the graph as the stack's kernel op: every compiled decode graph holds exactly
+    one trn::nki_gla_decode_step node per layer, declaring the state pool it writes as mutated, and nothing else
+    opaque; each launch runs the kernel at the deployment's LNC (here in the emulator); the tokens are vLLM's."""
+    from vllm_trn_plugin.neuron.laplace import LaplaceNeuronModel
+
+    prompts = random_prompts(3, [1, 37, 130], seed=45)
+    served = laplace_llm.llm.generate(token_prompts(prompts), greedy_params(STEPS), use_tqdm=False)
+    expected = [list(o.outputs[0].token_ids) for o in served]
+    runner = NeuronRunner(
+        LaplaceNeuronModel,
+        laplace_ckpt,
+        runner_config(laplace_ckpt, 256, max_num_batched_tokens=256),
+        {"num_seqs_buckets": [1, 2, 4], "num_batched_tokens_buckets": [128, 256]},
+        block_size=32,
+        num_blocks=8,
+        compile_backend="aot_eager",
+    )
+    got = runner.generate([Request(p, a) for p, a in zip(prompts, [0, 0, 1])])
+    assert got == expected
+    layers = runner.model.config.num_hidden_layers
+    prefills, decodes = _graph_kernel_nodes(runner)
+    assert prefills == [{}] * len(prefills), prefills
+    assert decodes == [{("trn::nki_gla_decode_step", ("state_pool",)): layers}] * len(decodes), decodes
+    lnc = _kernel_lnc()
+    launched = neuron_torch_stack.launches
+    assert set(launched) == {("gla_decode_kernel", lnc)} and len(launched) % layers == 0, launched
+    print(f"\nLaplace: {len(decodes)} decode graphs, {layers} nki_op nodes each; {len(launched)} launches at LNC {lnc}")
+
+
+def test_trinity_kernels_enter_the_graph_as_nki_ops(
+    trinity_ckpts: tuple[Path, Path], worker: None, neuron_torch_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The packed MLA-Trinity on Neuron: every compiled graph holds one trn::nki_fp8_experts node per MoE layer
+    (prefill and decode), every decode graph also one trn::nki_latent_decode per global layer, and nothing else
+    opaque; the launches run the kernels at the deployment's LNC (in the emulator); the tokens equal the torch path's
+    on the same checkpoint (an eager runner)."""
+    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLANeuronModel
+
+    _, packed = trinity_ckpts
+    nc = {
+        "num_seqs_buckets": [4],
+        "num_batched_tokens_buckets": [128],
+        "decode_context_length_buckets": [256],
+        "on_device_sampling_config": None,
+    }
+    prompts = random_prompts(3, [7, 9, 70], seed=44)
+
+    def run(compile_backend: str | None) -> tuple[NeuronRunner, list[list[int]]]:
+        cfg = runner_config(packed, 512, max_num_batched_tokens=512)
+        runner = NeuronRunner(
+            TrinityMLANeuronModel, packed, cfg, nc, block_size=32, num_blocks=32, compile_backend=compile_backend
+        )
+        return runner, runner.generate([Request(p, 0) for p in prompts], max_decode_steps=2)
+
+    runner, got = run("aot_eager")
+    monkeypatch.setenv("VLLM_TRN_KERNELS", "torch")
+    _, want = run(None)
+    assert got == want
+    moe = sum(layer.moe_enabled for layer in runner.model.model.model.layers)
+    latent = len(runner.latent_layers())
+    prefills, decodes = _graph_kernel_nodes(runner)
+    assert prefills == [{("trn::nki_fp8_experts", ()): moe}] * len(prefills), prefills
+    per_decode = {("trn::nki_fp8_experts", ()): moe, ("trn::nki_latent_decode", ()): latent}
+    assert decodes == [per_decode] * len(decodes), decodes
+    launched = {name for name, lnc in neuron_torch_stack.launches if lnc == _kernel_lnc()}
+    assert launched == {"fp8_experts_kernel", "latent_decode_kernel"}, neuron_torch_stack.launches
+    print(f"\nMLA-Trinity (packed): prefill graphs {prefills}, decode graphs {decodes}; tokens equal the torch path's")
 
 
 # torch's functional collectives: vLLM's TP-group all-reduce and the LM head's gather, traced
@@ -350,7 +466,7 @@ COLLECTIVES = {
 
 
 def _trinity_tp_rank(rank: int, world: int, mla: str, init_file: str, out_dir: str) -> None:
-    """One Beta worker of a tensor-parallel group (a spawned process per rank): the worker's gloo world and vLLM's
+    """One Neuron worker of a tensor-parallel group (a spawned process per rank): the worker's gloo world and vLLM's
     TP group of `world` ranks, then the same runner as at TP 1; the adapter builds and loads this rank's shard."""
     import os
 
@@ -371,8 +487,8 @@ def _trinity_tp_rank(rank: int, world: int, mla: str, init_file: str, out_dir: s
     torch.save(
         {
             "tokens": got,
-            "sliding_kv_heads": sorted({layer.num_kv_heads for layer in spec.layers}),
-            "latent_rank": sorted({layer.kv_lora_rank for layer in spec.latent_layers}),
+            "sliding_kv_heads": sorted({s.num_kv_heads for s in spec.layers if s.cache_kind.value != "mla"}),
+            "latent_rank": sorted({s.head_size for s in spec.layers if s.cache_kind.value == "mla"}),
             "kv_heads": list(latent.kv_heads),
             "key_scales": tuple(latent.key_scales.shape[1:]),
             "shapes": sorted(runner.padded_shapes),
@@ -387,10 +503,10 @@ def _trinity_tp_rank(rank: int, world: int, mla: str, init_file: str, out_dir: s
     ps.destroy_distributed_environment()
 
 
-def test_trinity_beta_contract_at_tp2_equals_tp1(
+def test_trinity_neuron_contract_at_tp2_equals_tp1(
     trinity_ckpts: tuple[Path, Path], trinity_expected: list[list[int]], tmp_path: Path
 ) -> None:
-    """Two Beta workers (spawned processes, gloo), each building through the adapter the shard of its rank of a
+    """Two Neuron workers (spawned processes, gloo), each building through the adapter the shard of its rank of a
     TP-2 group the worker set up: sliding layers with 2 of the 4 KV heads, the whole 256-wide latent, the latent
     layer's KV heads and key-scale columns split between the ranks; each rank compiled as the runner compiles
     (one graph per bucket, no recompile), the only nodes besides aten and the kernel ops torch's traceable
@@ -412,16 +528,16 @@ def test_trinity_beta_contract_at_tp2_equals_tp1(
         assert got["graphs"] == got["warmed"], got
         assert "_c10d_functional::all_reduce" in got["opaque"] and set(got["opaque"]) <= COLLECTIVES, got["opaque"]
         for p, g, e in zip(TRINITY_PROMPTS, got["tokens"], trinity_expected):
-            assert g == e, f"rank {r}, prompt of {len(p)} tokens: Beta contract at TP 2 {g}, vLLM at TP 1 {e}"
+            assert g == e, f"rank {r}, prompt of {len(p)} tokens: Neuron contract at TP 2 {g}, vLLM at TP 1 {e}"
     print(
-        f"\nMLA-Trinity via the Beta contract at TP 2 (two gloo ranks, compiled, {ranks[0]['graphs']} graphs per "
+        f"\nMLA-Trinity via the Neuron contract at TP 2 (two gloo ranks, compiled, {ranks[0]['graphs']} graphs per "
         f"rank): tokens equal TP 1's; {ranks[0]['shapes']}; collectives {ranks[0]['opaque']}"
     )
 
 
 def _recipe(model: str) -> tuple[dict[str, Any], int, str, dict[str, Any]]:
-    """The trn2 recipe's neuron_config, max_model_len, dtype and cache options (--kv-cache-dtype, the rest of
-    --additional-config) for `model` (deploy/trn2/serve-replica.sh)."""
+    """The trn2 recipe's neuron_config, max_model_len, dtype and engine options (--max-num-batched-tokens,
+    --kv-cache-dtype, the rest of --additional-config) for `model` (deploy/trn2/serve-replica.sh)."""
     argv = trn2_recipe_argv(model)
 
     def opt(name: str) -> str | None:
@@ -429,7 +545,7 @@ def _recipe(model: str) -> tuple[dict[str, Any], int, str, dict[str, Any]]:
 
     extra = json.loads(opt("--additional-config") or "{}")
     nc = extra.pop("neuron_config")
-    cache = {"additional_config": extra} | (
+    cache = {"additional_config": extra, "max_num_batched_tokens": int(opt("--max-num-batched-tokens"))} | (
         {"kv_cache_dtype": opt("--kv-cache-dtype")} if opt("--kv-cache-dtype") else {}
     )
     return nc, int(opt("--max-model-len")), opt("--dtype"), cache
@@ -437,37 +553,82 @@ def _recipe(model: str) -> tuple[dict[str, Any], int, str, dict[str, Any]]:
 
 @pytest.mark.parametrize("model", ["laplace-3b", "mla-trinity"])
 def test_recipe_buckets_are_captured_whole(model: str, worker: None, tmp_path: Path) -> None:
-    """Every bucket the trn2 recipe has the runner compile (its neuron_config, max_model_len and dtype: prefill token
-    buckets up to 2048, decode widths, MLA-Trinity's context buckets 2304 / 4352 / 8448 and max_model_len 16,640) is
-    captured by torch.compile(fullgraph=True) as one graph holding nothing opaque but the kernel ops, under the
-    recipe's cache options (MLA-Trinity: the FP8 latent; an option the adapter refuses fails here). Traced only
+    """Every bucket the trn2 recipe has the runner compile (its neuron_config, max_model_len, token budget and dtype:
+    2048-token prefill segments, decode widths, MLA-Trinity's context buckets 2304 / 4352 / 8448 and max_model_len
+    16,640) is captured by torch.compile(fullgraph=True) as one graph holding nothing opaque but the kernel ops,
+    under the recipe's engine options (a bucket layout the runner refuses, or an option the adapter refuses, fails
+    here). Traced only
     (a 2048-token prefill over a 16,640-token table does not run on these machines), on the demo geometry (4
-    layers), at TP 1 (the compiled TP-2 run is test_trinity_beta_contract_at_tp2_equals_tp1's)."""
+    layers), at TP 1 (the compiled TP-2 run is test_trinity_neuron_contract_at_tp2_equals_tp1's)."""
     from vllm_trn_plugin.demo import write_laplace_demo, write_trinity_demo
-    from vllm_trn_plugin.neuron.laplace import LaplaceBetaModel
-    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLABetaModel
+    from vllm_trn_plugin.neuron.laplace import LaplaceNeuronModel
+    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLANeuronModel
 
     nc, max_len, dtype, cache = _recipe(model)
     if model == "laplace-3b":
-        cls, ckpt = LaplaceBetaModel, write_laplace_demo(tmp_path / "ckpt", dtype=torch.float32)
+        cls, ckpt = LaplaceNeuronModel, write_laplace_demo(tmp_path / "ckpt", dtype=torch.float32)
     else:
-        cls = TrinityMLABetaModel
+        cls = TrinityMLANeuronModel
         ckpt = write_trinity_demo(tmp_path / "ckpt", dtype=torch.float32, max_position_embeddings=max_len)
-    runner = BetaRunner(
+    runner = NeuronRunner(
         cls,
         ckpt,
         runner_config(ckpt, max_len, dtype=dtype, **cache),
         nc,
         block_size=32,
         num_blocks=8,
-        max_num_batched_tokens=max(nc["num_batched_tokens_buckets"]),
         compile_backend="capture",
     )
     contexts = len(nc.get("decode_context_length_buckets", [])) + 1  # + max_model_len
-    buckets = len(nc["num_batched_tokens_buckets"]) + len(nc["num_seqs_buckets"]) * contexts
+    buckets = len(runner.token_buckets) + len(nc["num_seqs_buckets"]) * contexts
     assert len(runner.graphs) == len(runner.warmup_seconds) == buckets, sorted(runner.warmup_seconds)
     assert opaque_ops(runner.graphs, KERNEL_OPS) == {}
     print(
         f"\n{model}: the recipe's {buckets} buckets captured whole ({dtype}, max_model_len {max_len}, {cache}) in "
         f"{sum(runner.warmup_seconds.values()):.0f} s: {sorted(runner.warmup_seconds)}"
     )
+
+
+def test_runner_configs_and_inputs_the_adapter_refuses(laplace_ckpt: Path, worker: None) -> None:
+    """Refused when the model is built: a token-bucket layout the runner's segmented prefill refuses (buckets other
+    than the segment, a segment size the runner has no kernel for, one-shot prefill past 16k tokens), and LoRA.
+    Refused in the step: an argument the adapter does not know (a TypeError naming it, not a silently ignored
+    input), and adapter_ids naming a LoRA slot (slot 0, the base model, is served)."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+
+    from vllm_trn_plugin.neuron.contract import NeuronConfig, check_buckets, check_runner_config
+    from vllm_trn_plugin.neuron.laplace import LaplaceNeuronModel
+
+    segmented = runner_config(laplace_ckpt, 1024, max_num_batched_tokens=512)
+    with set_current_vllm_config(segmented), pytest.raises(ValueError, match=r"\[128, 512\] must equal .*\[512\]"):
+        LaplaceNeuronModel.from_configs(segmented.model_config.hf_config, {"num_batched_tokens_buckets": [128, 512]})
+    with pytest.raises(ValueError, match="segment must be one of"):
+        check_buckets(NeuronConfig.from_dict({}), 300, 1024)
+    with pytest.raises(ValueError, match="needs segmented prefill"):
+        check_buckets(NeuronConfig.from_dict({}), 20000, 20000)
+    with pytest.raises(ValueError, match="kv_segment_size_buckets"):
+        check_buckets(NeuronConfig.from_dict({"kv_segment_size_buckets": [1024]}), 512, 1024)
+    check_buckets(NeuronConfig.from_dict({"num_batched_tokens_buckets": [512]}), 512, 1024)
+    check_buckets(NeuronConfig.from_dict({"num_batched_tokens_buckets": [128, 256]}), 256, 256)
+    lora = SimpleNamespace(lora_config=object(), scheduler_config=None, model_config=None)
+    with pytest.raises(NotImplementedError, match="--enable-lora"):
+        check_runner_config(lora, NeuronConfig.from_dict({}))
+
+    runner = NeuronRunner(
+        LaplaceNeuronModel,
+        laplace_ckpt,
+        runner_config(laplace_ckpt, 256, max_num_batched_tokens=256),
+        {"num_seqs_buckets": [1], "num_batched_tokens_buckets": [128]},
+        block_size=32,
+        num_blocks=4,
+    )
+    req = Request([5, 6, 7], 0)
+    runner._ensure_blocks(req, 3)
+    kwargs = runner._prefill_kwargs(req.prompt, 0, req)
+    with pytest.raises(TypeError, match="rotary_position_ids"):
+        runner.step(kwargs | {"rotary_position_ids": torch.zeros(3, 128, dtype=torch.long)})
+    runner.step(kwargs | {"adapter_ids": torch.zeros(1, dtype=torch.int32)})
+    with pytest.raises(RuntimeError, match="adapter_ids"):
+        runner.step(kwargs | {"adapter_ids": torch.ones(1, dtype=torch.int32)})

@@ -15,21 +15,21 @@ ARCHITECTURES = {
 
 _registered = False
 
-# Under vllm-neuron's "Beta" runner (vLLM 0.24, Trn2/Trn3) the runner, not vLLM, drives the model through its
-# own contract (from_configs / get_kv_spec / bind_kv_cache / load_weights / forward with attn_metadata): the
-# same architecture names then resolve to the contract adapters (vllm_trn_plugin/neuron, docs/trainium.md).
-NEURON_ENTRY = "VLLM_TRN_NEURON_ENTRY"  # auto | beta | vllm
+# Under vLLM Neuron's runner (vllm-neuron 0.24 Beta to 0.29 GA, Trn2/Trn3) the runner, not vLLM, drives the model
+# through its own contract (from_configs / get_kv_spec / bind_kv_cache / load_weights / forward with attn_metadata):
+# the same architecture names then resolve to the contract adapters (vllm_trn_plugin/neuron, docs/trainium.md).
+NEURON_ENTRY = "VLLM_TRN_NEURON_ENTRY"  # auto | neuron | vllm
 
 
-def _beta_runner_active() -> bool:
+def _neuron_runner_active() -> bool:
     mode = os.environ.get(NEURON_ENTRY, "auto")
-    if mode not in ("auto", "beta", "vllm"):
-        raise ValueError(f"{NEURON_ENTRY}={mode!r}: expected auto, beta or vllm")
+    if mode not in ("auto", "neuron", "vllm"):
+        raise ValueError(f"{NEURON_ENTRY}={mode!r}: expected auto, neuron or vllm")
     if mode != "auto":
-        return mode == "beta"
+        return mode == "neuron"
     import importlib.util
 
-    try:  # the Beta generation ships its own runner package; the NxD generation does not
+    try:  # vLLM Neuron ships its own runner package; the older NxD generation does not
         if importlib.util.find_spec("vllm_neuron.vllm.worker") is None:
             return False
     except Exception:  # not installed, or PyPI's placeholder (which refuses to import)
@@ -65,10 +65,10 @@ def register() -> None:
     AutoConfig.register("laplace", LaplaceConfig, exist_ok=True)
     supported = set(ModelRegistry.get_supported_archs())
     architectures = ARCHITECTURES
-    if _beta_runner_active():
-        from vllm_trn_plugin.neuron import BETA_ARCHITECTURES
+    if _neuron_runner_active():
+        from vllm_trn_plugin.neuron import NEURON_ARCHITECTURES
 
-        architectures = BETA_ARCHITECTURES
+        architectures = NEURON_ARCHITECTURES
     for arch, path in architectures.items():
         if arch not in supported:
             ModelRegistry.register_model(arch, path)

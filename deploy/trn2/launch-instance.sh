@@ -9,7 +9,7 @@
 #
 # Replica i listens on 127.0.0.1:$((BASE_PORT + i)) (8001, 8002, ...), the router on 0.0.0.0:$PORT
 # (8000) and its Prometheus metrics on :29000; every replica's own /metrics stays on its port.
-# Replica 0 starts first and compiles every bucket into NEURON_COMPILED_ARTIFACTS; the others start
+# Replica 0 starts first and compiles every bucket into VLLM_CACHE_ROOT; the others start
 # when it is healthy and load the compiled graphs. Logs: $LOG_DIR/replica-<i>.log, router.log.
 # NOT RUN HERE (no Trainium); the same router was tried with two CPU replicas: router_cpu_trial.py.
 set -euo pipefail
@@ -34,7 +34,7 @@ fi
 base=${BASE_PORT:-8000}
 log_dir=${LOG_DIR:-/var/log/vllm-trn}
 mkdir -p "$log_dir"
-export NEURON_COMPILED_ARTIFACTS=${NEURON_COMPILED_ARTIFACTS:-/var/cache/neuron/$model}
+export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-/var/cache/vllm-neuron/$model}
 
 pids=()
 cleanup() { ((${#pids[@]})) && kill "${pids[@]}" 2>/dev/null || true; }

@@ -50,30 +50,31 @@ laplace-3b)
     # Attention-free: no KV cache, a fixed 28.75 MB fp32 state page per sequence, so no FP8 KV cache and
     # no context-length buckets (a decode step is O(1) in context). 20 sequences per core as in the
     # source; decode widths padded to a fixed set compiled at warm-up (each new width costs ~11 s on
-    # first use otherwise); prefill in 128-token chunks up to a 2,048-token window (16 chunks).
+    # first use otherwise). A 2,048-token budget below max_model_len turns on the runner's segmented prefill: every
+    # prefill step is one 2,048-token segment, and the token buckets must be exactly that (the runner refuses
+    # others; vllm_trn_plugin/neuron/contract.py check_buckets says so at start).
     args=(
         --tensor-parallel-size 1
         --max-model-len 8448
         --max-num-seqs 20
         --max-num-batched-tokens 2048
         --num-gpu-blocks-override 24
-        --additional-config '{"neuron_config": {"num_seqs_buckets": [1, 2, 4, 8, 16, 20], "num_batched_tokens_buckets": [128, 256, 512, 1024, 2048]}}'
+        --additional-config '{"neuron_config": {"num_seqs_buckets": [1, 2, 4, 8, 16, 20], "num_batched_tokens_buckets": [2048]}}'
     )
     ;;
 mla-trinity)
     # 2 logical cores (the compressed model fits in 2 x 24 GiB; 32 replicas per instance). Decode walks
     # the latent cache over a loop fixed per context bucket: 2,304 / 4,352 / 8,448 / 16,640 tokens
-    # (prompts of 2k/4k/8k/16k plus 256 output tokens); the last is max_model_len itself.
-    # The 256-wide latent in Trainium2 FP8 with a per-token scale ("latent_cache_dtype": "fp8": half its bytes; the
-    # latent-decode kernel reads FP8 tiles; "model" keeps it bf16, docs/mla-trinity.md "FP8 latent cache" has what
-    # it costs). The sliding-window layers stay bf16: the Beta contract adapter refuses --kv-cache-dtype fp8
-    # (docs/trainium.md).
+    # (prompts of 2k/4k/8k/16k plus 256 output tokens); the last is max_model_len itself. Prefill in 2,048-token
+    # segments as above. The latent and the sliding-window layers in bf16: vLLM Neuron allocates every layer's cache
+    # in the --kv-cache-dtype, and the adapter keeps the sliding layers in the model dtype, so it refuses both
+    # --kv-cache-dtype fp8 and an FP8 latent (docs/trainium.md, "What is not served").
     args=(
         --tensor-parallel-size 2
         --max-model-len 16640
         --max-num-seqs 8
         --max-num-batched-tokens 2048
-        --additional-config '{"neuron_config": {"num_seqs_buckets": [1, 2, 4, 8], "num_batched_tokens_buckets": [512, 1024, 2048], "decode_context_length_buckets": [2304, 4352, 8448]}, "latent_cache_dtype": "fp8"}'
+        --additional-config '{"neuron_config": {"num_seqs_buckets": [1, 2, 4, 8], "num_batched_tokens_buckets": [2048], "decode_context_length_buckets": [2304, 4352, 8448]}}'
     )
     ;;
 *)
@@ -88,6 +89,12 @@ if ((print)); then
     echo
     exit 0
 fi
-# The compiled graphs (one per bucket) are shared by every replica of the instance: compile once.
-export NEURON_COMPILED_ARTIFACTS=${NEURON_COMPILED_ARTIFACTS:-/var/cache/neuron/$model}
+# The native compile route (the default since SDK 2.33) with torch's precompile cache on: vLLM Neuron turns the cache
+# on only when the backend is named (unset, it compiles natively with the cache off). Compiled graphs and NEFFs live
+# under VLLM_CACHE_ROOT, shared by every replica of the instance: compile once.
+export VLLM_NEURON_BACKEND=${VLLM_NEURON_BACKEND:-neuron_native}
+export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-/var/cache/vllm-neuron/$model}
+# The LNC degree neuronx-cc compiles for and the plugin's NKI kernels launch at (Trn2's default, said explicitly: a
+# kernel of another degree is refused, NCC_EVRF066).
+export NEURON_LOGICAL_NC_CONFIG=${NEURON_LOGICAL_NC_CONFIG:-2}
 exec "${cmd[@]}"

@@ -1,42 +1,35 @@
-"""MLA-Trinity through the vllm-neuron Beta contract (contract.py): ``TrinityMLAForCausalLM``'s layers and weights,
-its caches bound from the runner's tensors, and a static step the runner's compiler captures whole.
+"""MLA-Trinity through vLLM Neuron's model contract (contract.py): ``TrinityMLAForCausalLM``'s layers and weights,
+its caches bound from the runner's tensors, and a step the runner's compiler captures whole.
 
 Caches, named by each attention module's prefix (``model.layers.{i}.self_attn``):
 
-- global (``full_attention``) layers: a ``LatentLayerSpec``, one ``kv_lora_rank``-wide latent row per token in the
-  layer's ``latent_dtype`` (the model dtype, or FP8 under ``latent_cache_dtype: fp8``), bound as
-  ``[num_blocks, block_size, r]``; beside it the layer's key-scale side store ``[rows, Hkv]`` fp32 and, for an FP8
-  latent, its dequantization scales ``[rows]`` fp32 (allocated NaN by ``TrinityLatentAttention.bind_kv_cache``, as
-  under vLLM);
-- sliding layers: a ``LayerSpec`` with ``sliding_window_size``, bound as the runner's ``[k, v]``, each
-  ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+- global (``full_attention``) layers: an MLA ``LayerSpec`` (vLLM's ``MLAAttentionSpec``: one "head" of the latent
+  width), one ``kv_lora_rank``-wide latent row per token in the model dtype, bound as ``[num_blocks, 1, block_size,
+  r]``; beside it the layer's key-scale side store ``[rows, Hkv]`` fp32 (allocated NaN by
+  ``TrinityLatentAttention.bind_kv_cache``, as under vLLM);
+- sliding layers: a SLIDING_WINDOW ``LayerSpec``, bound as the runner's ``[k, v]``, each ``[num_blocks,
+  num_kv_heads, block_size, head_dim]``.
 
-The step is vLLM's TrinityMLAModel forward ladder written out (embedding, muP scale, per layer the four sandwich
-norms around attention and MLP, final norm), calling the layers' own modules; only what touches a cache is the
-adapter's own, as graph ops over the runner's tensors:
+The step is the model's own forward (``TrinityMLAModel``: embedding, muP scale, vLLM's AFMoE decoder layers with their
+four sandwich norms, final norm). Three parts are swapped for static forms that read the runner's metadata for the
+step (``StepContext``) instead of vLLM's forward context:
 
-- every layer writes this step's K/V (sliding) or latent and key scale (global) at ``slot_rows(meta)`` with an
-  ``index_put_`` on the bound tensor itself (never through a reshaped view, which under compile may be a copy);
-  padded tokens' slots are in the null block (block 0), which no request owns;
-- sliding attention: queries, keys, values, q/k norms, RoPE, gate and ``o_proj`` are ``AfmoeAttention``'s; the
-  paged attention reads the rows' block tables (decode: the runner's window-trimmed table, first key at
+- ``AfmoeAttention.attn`` (vLLM's paged ``Attention``) becomes ``PagedKV``: the layer's own projections, q/k norms,
+  RoPE, gate and ``o_proj`` run as under vLLM; ``PagedKV`` writes this step's K/V by slot (``index_put_`` on the bound
+  tensors) and attends over the rows' block tables (decode: the window-trimmed table, first key at
   ``swa_kv_pos_offset``; prefill: the request's whole table). A key is visible iff its block entry is real, its
-  position is <= the query's and within the window; keys no query sees are selected to 0 before any product
-  (an unwritten row may hold anything), and a dead decode row's output is selected to 0;
-- global attention, latent: stored as the layer's ``stored_latents`` gives it (the model dtype, or FP8 codes with a
-  per-token scale written by slot beside them, ``latent_cache_dtype``); the key scale from the latent as stored;
-- global attention, decode: the declared kernel op ``dispatch.latent_decode`` (with an FP8 latent's scales) over the
-  runner's context-bucket table, ``seq_lens = positions + 1`` for live rows; a dead row reads one key of the null
-  block (written this step by its own padded token) and its output is selected to 0;
-- global attention, prefill (one request padded to a token bucket): K/V rebuilt from every row of the request's
-  block table (dequantized first: an unwritten FP8 row may hold NaN), keys past the last real position or in a
-  null entry selected to 0, mask key position <= query
-  position (padded queries repeat the last real position), GQA in fp32 (``TrinityLatentAttention.rebuilt_attention``,
-  the vLLM path's prefill with an explicit mask); a segmented prefill's earlier segments are simply earlier keys;
-- MoE layers: vLLM's ``FusedMoE`` runs through an opaque op reading vLLM's forward context, and on the CPU build
-  repacks its weights for its own kernel; ``_prepare_for_device`` replaces each layer's ``experts`` by
-  ``BetaRoutedExperts`` (same call): vLLM's AFMoE routing in torch and the routed experts through the declared
-  kernel op ``dispatch.fp8_experts`` (FP8 stacks of packed checkpoints; unquantized stacks take its torch path).
+  position is <= the query's and within the window; keys no query sees are selected to 0 before any product (an
+  unwritten row may hold anything), and a dead decode row's output is selected to 0;
+- each global layer's ``TrinityLatentAttention`` is wrapped in ``StaticLatentAttention``, which calls the layer's
+  own ``project``, ``write_latents`` (latent and key scale by slot; padded tokens write into the null block),
+  ``decode`` (the kernel op ``dispatch.latent_decode`` over the context-bucket table, ``seq_lens = positions + 1``
+  for live rows; a dead row reads one key of the null block and its output is selected to 0) or, for a prefill,
+  ``read_latents`` over every row of the request's table and ``rebuilt_attention`` with the causal mask (keys past
+  the last real position or in a null entry selected to 0), then ``gated_output``;
+- each MoE layer's ``experts`` (vLLM's ``FusedMoE``, an opaque op reading vLLM's forward context that repacks its
+  weights for the CPU kernel) becomes ``StaticRoutedExperts`` (same call): vLLM's AFMoE routing in torch and the
+  routed experts through the kernel op ``dispatch.fp8_experts`` (FP8 stacks of packed checkpoints; an unquantized
+  stack takes its torch path off Neuron, and is refused on Neuron, whose kernel is FP8 only).
 
 Python decisions in the step depend only on what is fixed per bucket (``is_decode``, shapes, the layer list).
 """
@@ -51,10 +44,11 @@ from torch import nn
 from vllm_trn_plugin.kernels import dispatch
 from vllm_trn_plugin.neuron.contract import (
     NULL_BLOCK_ID,
-    BetaModelAdapter,
+    CacheKind,
     KVSpec,
-    LatentLayerSpec,
     LayerSpec,
+    NeuronModelAdapter,
+    StepContext,
     block_rows,
     is_decode,
     live_tokens,
@@ -63,14 +57,101 @@ from vllm_trn_plugin.neuron.contract import (
 
 
 class PagedKV(nn.Module):
-    """A sliding layer's paged ``[k, v]`` cache as the runner binds it. Takes the place of vLLM's ``Attention`` in
-    ``AfmoeAttention.attn`` (its backend and cache layout belong to vLLM's runner); the step does the attention."""
+    """A sliding layer's paged ``[k, v]`` cache as the runner binds it, and the paged attention over it. Takes the
+    place of vLLM's ``Attention`` in ``AfmoeAttention.attn`` (same call: ``attn(q, k, v) -> [T, H * hd]`` after the
+    q/k norms and RoPE); the positions and block tables come from the step's metadata."""
 
-    def __init__(self, name: str, num_kv_heads: int, head_dim: int, window: int) -> None:
+    def __init__(
+        self, name: str, num_kv_heads: int, head_dim: int, window: int, scale: float, step: StepContext
+    ) -> None:
         super().__init__()
         self.name, self.num_kv_heads, self.head_dim, self.window = name, num_kv_heads, head_dim, window
+        self.scale, self.step = scale, step
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta, positions = self.step.meta(self.name), self.step.positions
+        T, Hkv, hd = q.shape[0], self.num_kv_heads, self.head_dim
+        H = q.shape[-1] // hd
+        kc, vc, window = self.k_cache, self.v_cache, self.window
+        bs = kc.shape[2]
+        # This step's keys and values first (a query sees its own key), by index_put_ on the bound tensors.
+        rows = slot_rows(meta)
+        heads = torch.arange(Hkv, device=rows.device)
+        where = ((rows // bs)[:, None], heads[None, :], (rows % bs)[:, None])
+        kc.index_put_(where, k.view(T, Hkv, hd).to(kc.dtype))
+        vc.index_put_(where, v.view(T, Hkv, hd).to(vc.dtype))
+
+        ids = block_rows(meta)  # decode [P, W] (trimmed to the window), prefill [1, W] (the whole table)
+        R, W = ids.shape
+        L = W * bs
+        first = meta.get("swa_kv_pos_offset")
+        first = torch.zeros(R, dtype=torch.long, device=ids.device) if first is None else first.long()
+        kpos = first[:, None] + torch.arange(L, device=ids.device)[None, :]  # [R, L]
+        real = (meta["block_table_tensor"] > NULL_BLOCK_ID)[:, :, None].expand(R, W, bs).reshape(R, L)
+        keys = kc.index_select(0, ids.reshape(-1)).view(R, W, Hkv, bs, hd).transpose(1, 2).reshape(R, Hkv, L, hd)
+        vals = vc.index_select(0, ids.reshape(-1)).view(R, W, Hkv, bs, hd).transpose(1, 2).reshape(R, Hkv, L, hd)
+        decode = is_decode(meta)
+        qpos = positions[:, None]  # [T, 1]
+        visible = real & (kpos <= qpos) & (kpos > qpos - window)  # decode [R, L], row r's one query; prefill [T, L]
+        if decode:  # row r: the one query of row r
+            live = live_tokens(meta)
+            visible = visible & live[:, None]
+            seen = visible
+            qr = q.view(T, H, 1, hd)  # [R, H, 1, hd]
+            mask = visible[:, None, None, :]
+        else:  # one row, every query of the step
+            seen = real & (kpos <= positions.max())  # [1, L]
+            qr = q.view(T, H, hd).transpose(0, 1)[None]  # [1, H, T, hd]
+            mask = visible[None, None]
+        # keys no query sees are selected to 0 before any product (an unwritten row may hold anything)
+        keys = torch.where(seen[:, None, :, None], keys, 0).float()
+        vals = torch.where(seen[:, None, :, None], vals, 0).float()
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qr.float(), keys, vals, attn_mask=mask, scale=self.scale, enable_gqa=True
+        )
+        if decode:
+            o = torch.where(live[:, None, None, None], o, 0).reshape(T, H * hd)
+        else:
+            o = o[0].transpose(0, 1).reshape(T, H * hd)
+        return o.to(q.dtype)
+
+
+class StaticLatentAttention(nn.Module):
+    """A ``TrinityLatentAttention`` in the static step: the same call (``(positions, hidden_states) -> [T, D]``), its
+    cache written and read through the layer's own ``write_latents`` / ``decode`` / ``read_latents`` by the runner's
+    metadata for this step."""
+
+    def __init__(self, attn: nn.Module, step: StepContext) -> None:
+        super().__init__()
+        self.attn = attn
+        self.step = step
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        attn, meta = self.attn, self.step.meta(self.attn.prefix)
+        T = hidden_states.shape[0]
+        q, latent = attn.project(hidden_states)
+        attn.write_latents(latent, slot_rows(meta))  # padded tokens write into the null block
+        live, bs = live_tokens(meta), meta["block_size"]
+        if is_decode(meta):
+            # A dead row reads the null block's first row, which its own padded token wrote just now.
+            table = torch.where(live[:, None], block_rows(meta), NULL_BLOCK_ID)
+            o = attn.decode(q, table, torch.where(live, positions + 1, 1), bs)
+            o = torch.where(live[:, None, None], o, 0)
+        else:
+            ids = block_rows(meta)[0]
+            L = ids.shape[0] * bs
+            kpos = torch.arange(L, device=ids.device)
+            real = (meta["block_table_tensor"][0] > NULL_BLOCK_ID)[:, None].expand(-1, bs).reshape(L)
+            seen = real & (kpos <= positions.max())  # written: this request's keys up to its last real position
+            c, s = attn.read_latents((ids[:, None] * bs + torch.arange(bs, device=ids.device)).reshape(L))
+            # Selected after dequantizing: an unwritten row's code or scale may be NaN, and NaN x 0 is NaN.
+            c = torch.where(seen[:, None], c, 0)
+            s = torch.where(seen[:, None], s, 0)
+            mask = seen[None, :] & (kpos[None, :] <= positions[:, None])
+            o = attn.rebuilt_attention(q, c, s, *attn.kv_weights(), mask)
+        return attn.gated_output(o.to(hidden_states.dtype).reshape(T, -1), hidden_states)
 
 
 def grouped_topk(
@@ -111,7 +192,7 @@ def grouped_topk(
     return topk_weights, topk_ids.to(torch.int32)
 
 
-class BetaRoutedExperts(nn.Module):
+class StaticRoutedExperts(nn.Module):
     """One AFMoE layer's routed and shared experts with vLLM's FusedMoE call (``experts(hidden_states=...,
     router_logits=...) -> [T, D]``), as graph ops plus the declared kernel op ``dispatch.fp8_experts``.
 
@@ -193,8 +274,31 @@ class BetaRoutedExperts(nn.Module):
         return out
 
 
-class TrinityMLABetaModel(BetaModelAdapter):
+class TrinityMLANeuronModel(NeuronModelAdapter):
     vllm_model_path = "vllm_trn_plugin.model_executors.trinity_mla:TrinityMLAForCausalLM"
+
+    @classmethod
+    def check_config(cls, vllm_config: Any) -> dict[str, Any]:
+        """The runner allocates every layer's cache in the --kv-cache-dtype (it does not read ``LayerSpec.dtype``),
+        and the static step keeps the sliding layers' K/V in the model dtype: so the latent is in the model dtype
+        too. An FP8 cache of either kind is refused here, naming the option, rather than at binding (after minutes
+        of weight loading) or by serving another dtype than asked."""
+        from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE
+        from vllm_trn_plugin.model_executors.latent_attention import LATENT_CACHE_DTYPE, latent_cache_dtype
+
+        if str(vllm_config.cache_config.cache_dtype).startswith("fp8"):
+            raise NotImplementedError(
+                f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype}: the Neuron adapter keeps MLA-Trinity's "
+                "sliding layers' K/V in the model dtype (its static step has no FP8 K/V with vLLM's per-tensor k/v "
+                "scales); serve with --kv-cache-dtype auto"
+            )
+        if latent_cache_dtype(vllm_config) == FP8_DTYPE:
+            raise NotImplementedError(
+                f'--additional-config {{"{LATENT_CACHE_DTYPE}": "fp8"}}: vLLM Neuron allocates every layer\'s cache in '
+                "the --kv-cache-dtype, so an FP8 latent beside model-dtype sliding layers cannot be asked of it; serve "
+                f'the latent in the model dtype ("{LATENT_CACHE_DTYPE}": "model") under vLLM Neuron'
+            )
+        return {LATENT_CACHE_DTYPE: "model"}
 
     def __init__(self, vllm_config: Any, neuron_config: Any) -> None:
         super().__init__(vllm_config, neuron_config)
@@ -208,23 +312,37 @@ class TrinityMLABetaModel(BetaModelAdapter):
                 self._latent.append(attn)
                 continue
             name = attn.attn.layer_name.removesuffix(".attn")
-            attn.attn = PagedKV(name, attn.num_kv_heads, attn.head_dim, attn.sliding_window)
+            attn.attn = PagedKV(
+                name, attn.num_kv_heads, attn.head_dim, attn.sliding_window, attn.scaling, self.step_context
+            )
             self._sliding.append(attn)
 
     def _prepare_for_device(self) -> None:
         for layer in self.model.model.layers:
             if layer.moe_enabled:
-                layer.mlp.experts = BetaRoutedExperts(layer.mlp, self.config)
+                layer.mlp.experts = StaticRoutedExperts(layer.mlp, self.config)
+            if layer.self_attn in self._latent:
+                layer.self_attn = StaticLatentAttention(layer.self_attn, self.step_context)
 
     # --- caches ---
 
     def get_kv_spec(self) -> KVSpec:
-        layers = [
-            LayerSpec(a.attn.name, a.num_kv_heads, a.head_dim, self.dtype, sliding_window_size=a.attn.window)
+        sliding = [
+            LayerSpec(
+                a.attn.name,
+                a.num_kv_heads,
+                a.head_dim,
+                self.dtype,
+                sliding_window_size=a.attn.window,
+                cache_kind=CacheKind.SLIDING_WINDOW,
+            )
             for a in self._sliding
         ]
-        latent = [LatentLayerSpec(a.prefix, a.kv_lora_rank, a.latent_dtype) for a in self._latent]
-        return KVSpec(layers=layers, latent_layers=latent)
+        # one r-wide latent row per token: vLLM's MLAAttentionSpec with one "KV head" of size r
+        latent = [
+            LayerSpec(a.prefix, 1, a.kv_lora_rank, a.latent_dtype, cache_kind=CacheKind.MLA) for a in self._latent
+        ]
+        return KVSpec(layers=sliding + latent)
 
     def bind_kv_cache(self, kv_caches: dict[str, list[torch.Tensor]]) -> None:
         for a in self._sliding:
@@ -232,131 +350,27 @@ class TrinityMLABetaModel(BetaModelAdapter):
             k, v = self._cache_entry(kv_caches, paged.name, 2)
             if k.shape != v.shape or k.dim() != 4 or k.shape[1] != paged.num_kv_heads or k.shape[3] != paged.head_dim:
                 raise ValueError(f"{paged.name}: K/V caches {tuple(k.shape)} / {tuple(v.shape)} do not fit this layer")
+            if k.dtype != self.dtype:
+                raise ValueError(
+                    f"{paged.name}: K/V cache in {k.dtype}; the adapter keeps sliding layers in the model dtype "
+                    f"{self.dtype} (serve with --kv-cache-dtype auto)"
+                )
             paged.k_cache, paged.v_cache = k, v
         for a in self._latent:
             (latent,) = self._cache_entry(kv_caches, a.prefix, 1)
+            if latent.dim() == 4 and latent.shape[1] == 1:  # [blocks, 1 head, block_size, r], as the runner binds MLA
+                latent = latent.view(latent.shape[0], latent.shape[2], latent.shape[3])
             if latent.dim() != 3 or latent.shape[2] != a.kv_lora_rank:
-                raise ValueError(f"{a.prefix}: latent cache {tuple(latent.shape)}, expected [blocks, block_size, r]")
+                raise ValueError(
+                    f"{a.prefix}: latent cache {tuple(latent.shape)}, expected "
+                    f"[blocks, 1, block_size, {a.kv_lora_rank}]"
+                )
+            if latent.dtype != a.latent_dtype:
+                raise ValueError(
+                    f"{a.prefix}: the runner allocated the latent in {latent.dtype}, the layer stores "
+                    f"{a.latent_dtype} (latent_cache_dtype). vLLM Neuron sizes every layer by --kv-cache-dtype and "
+                    "the adapter keeps the sliding layers in the model dtype, so serve the latent in the model dtype "
+                    "(latent_cache_dtype model) under this runner"
+                )
             a.bind_kv_cache(latent)  # allocates the key-scale store (and an FP8 latent's scale store) beside it
         self._bound = True
-
-    # --- the step ---
-
-    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: dict[str, Any]) -> torch.Tensor:
-        """TrinityMLAModel's forward over one padded step, each layer's attention in its static form."""
-        from vllm_trn_plugin.model_executors.latent_attention import TrinityLatentAttention
-
-        model = self.model.model
-        positions = positions.long()
-        x = model.embed_tokens(input_ids.long())
-        if self.config.mup_enabled:
-            x = x * (self.config.hidden_size**0.5)
-        residual = None
-        for layer in model.layers:
-            if residual is None:
-                residual, h = x, layer.input_layernorm(x)
-            else:
-                h, residual = layer.input_layernorm(x, residual)
-            attn = layer.self_attn
-            if isinstance(attn, TrinityLatentAttention):
-                h = self._latent_attention(attn, h, positions, attn_metadata[attn.prefix])
-            else:
-                h = self._sliding_attention(attn, h, positions, attn_metadata[attn.attn.name])
-            h = layer.post_attention_layernorm(h)
-            h, residual = layer.pre_mlp_layernorm(h, residual)
-            x = layer.post_mlp_layernorm(layer.mlp(h))
-        return model.norm(x, residual)[0]
-
-    @staticmethod
-    def _latent_attention(attn: Any, h: torch.Tensor, positions: torch.Tensor, meta: dict[str, Any]) -> torch.Tensor:
-        T, H, hd = h.shape[0], attn.num_heads, attn.head_dim
-        cache, scales = attn.kv_cache, attn.key_scales  # [num_blocks, bs, r], [num_blocks * bs, Hkv] fp32
-        dequant = attn.latent_scales  # [num_blocks * bs] fp32 for an FP8 latent, else None
-        bs = cache.shape[1]
-        q, latent = attn.project(h)
-        Wk, Wv = attn.kv_weights()
-        rows = slot_rows(meta)
-        new, new_dequant = attn.stored_latents(latent)
-        cache.index_put_((rows // bs, rows % bs), new)
-        if dequant is not None:
-            dequant.index_put_((rows,), new_dequant)
-        # The key scale from the latent as stored.
-        scales.index_put_((rows,), attn.key_scale(attn.latent_values(new, new_dequant), Wk))
-        live = live_tokens(meta)
-        if is_decode(meta):
-            # A dead row reads the null block's first row, which its own padded token wrote just now.
-            table = torch.where(live[:, None], block_rows(meta), NULL_BLOCK_ID)
-            seq_lens = torch.where(live, positions + 1, 1)
-            o = dispatch.latent_decode(
-                q, attn.k_norm.weight, Wk, Wv, cache, scales, table, seq_lens, attn.scaling, bs, dequant
-            )
-            o = torch.where(live[:, None, None], o, 0)
-        else:
-            ids = block_rows(meta)[0]
-            L = ids.shape[0] * bs
-            key_rows = (ids[:, None] * bs + torch.arange(bs, device=ids.device)).reshape(L)
-            kpos = torch.arange(L, device=ids.device)
-            real = (meta["block_table_tensor"][0] > NULL_BLOCK_ID)[:, None].expand(-1, bs).reshape(L)
-            seen = real & (kpos <= positions.max())  # written: this request's keys up to its last real position
-            stored = cache.index_select(0, ids).reshape(L, -1)
-            values = attn.latent_values(stored, None if dequant is None else dequant.index_select(0, key_rows))
-            # Selected after dequantizing: an unwritten row's code or scale may be NaN, and NaN x 0 is NaN.
-            c = torch.where(seen[:, None], values, 0)
-            s = torch.where(seen[:, None], scales.index_select(0, key_rows), 0)
-            mask = seen[None, :] & (kpos[None, :] <= positions[:, None])
-            o = attn.rebuilt_attention(q, c, s, Wk, Wv, mask)
-        return attn.gated_output(o.to(h.dtype).reshape(T, H * hd), h)
-
-    @staticmethod
-    def _sliding_attention(attn: Any, h: torch.Tensor, positions: torch.Tensor, meta: dict[str, Any]) -> torch.Tensor:
-        """AfmoeAttention.forward with the paged attention over the runner's [k, v] (module docstring)."""
-        T, H, Hkv, hd = h.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
-        qkv, _ = attn.qkv_proj(h)
-        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q = attn.q_norm(q.reshape(T, H, hd)).reshape(q.shape)
-        k = attn.k_norm(k.reshape(T, Hkv, hd)).reshape(k.shape)
-        q, k = attn.rotary_emb(positions, q, k)
-
-        paged = attn.attn
-        kc, vc, window = paged.k_cache, paged.v_cache, paged.window
-        bs = kc.shape[2]
-        # This step's keys and values first (a query sees its own key), by index_put_ on the bound tensors.
-        rows = slot_rows(meta)
-        heads = torch.arange(Hkv, device=rows.device)
-        where = ((rows // bs)[:, None], heads[None, :], (rows % bs)[:, None])
-        kc.index_put_(where, k.view(T, Hkv, hd).to(kc.dtype))
-        vc.index_put_(where, v.view(T, Hkv, hd).to(vc.dtype))
-
-        ids = block_rows(meta)  # decode [P, W] (trimmed to the window), prefill [1, W] (the whole table)
-        R, W = ids.shape
-        L = W * bs
-        first = meta.get("swa_kv_pos_offset")
-        first = torch.zeros(R, dtype=torch.long, device=ids.device) if first is None else first.long()
-        kpos = first[:, None] + torch.arange(L, device=ids.device)[None, :]  # [R, L]
-        real = (meta["block_table_tensor"] > NULL_BLOCK_ID)[:, :, None].expand(R, W, bs).reshape(R, L)
-        keys = kc.index_select(0, ids.reshape(-1)).view(R, W, Hkv, bs, hd).transpose(1, 2).reshape(R, Hkv, L, hd)
-        vals = vc.index_select(0, ids.reshape(-1)).view(R, W, Hkv, bs, hd).transpose(1, 2).reshape(R, Hkv, L, hd)
-        if is_decode(meta):  # row r: the one query of row r
-            live = live_tokens(meta)
-            qpos = positions[:, None]  # [R, 1]
-            visible = real & live[:, None] & (kpos <= qpos) & (kpos > qpos - window)  # [R, L]
-            seen = visible
-            qr = q.view(T, H, 1, hd)  # [R, H, 1, hd]
-            mask = visible[:, None, None, :]
-        else:  # one row, every query of the step
-            qpos = positions[:, None]  # [T, 1]
-            visible = real & (kpos <= qpos) & (kpos > qpos - window)  # [T, L]
-            seen = real & (kpos <= positions.max())  # [1, L]
-            qr = q.view(T, H, hd).transpose(0, 1)[None]  # [1, H, T, hd]
-            mask = visible[None, None]
-        keys = torch.where(seen[:, None, :, None], keys, 0).float()
-        vals = torch.where(seen[:, None, :, None], vals, 0).float()
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qr.float(), keys, vals, attn_mask=mask, scale=attn.scaling, enable_gqa=True
-        )
-        if is_decode(meta):
-            o = torch.where(live[:, None, None, None], o, 0).reshape(T, H * hd)
-        else:
-            o = o[0].transpose(0, 1).reshape(T, H * hd)
-        gate, _ = attn.gate_proj(h)
-        return attn.o_proj(o.to(h.dtype) * torch.sigmoid(gate))[0]

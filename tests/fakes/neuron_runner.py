@@ -1,19 +1,35 @@
-"""vllm-neuron's Beta runner and scheduler as a model sees them, for driving the plugin's contract adapters on CPU.
+"""vLLM Neuron's runner and scheduler as a model sees them, for driving the plugin's contract adapters on CPU.
 
-`BetaRunner` plays vllm-neuron's `NeuronModelRunner` with its `NeuronScheduler`, step for step: `from_configs(hf_config,
-neuron_config)` under `torch.device("meta")`, `load_weights(checkpoint_path, device, cache_dir)`, `get_kv_spec()`,
-caches allocated as raw int8 zeros viewed per spec (`[k, v]` from one `(2, blocks, kv_heads, block_size, head)`
-buffer; one latent buffer; one tensor per recurrent state), `bind_kv_cache`, then one prefill per step padded to a
-`num_batched_tokens_buckets` bucket (token 0 at the last real position, slot 0 = the null block; long prompts in
-segments), decode batches padded to a `num_seqs_buckets` bucket (token 0, position 0, slot 0, stale block-table rows,
-sampling positions padded with the last real index), block tables with the null block as -1, trimmed at decode to the
-sliding window (`swa_kv_pos_offset`) or to a `decode_context_length_buckets` bucket, and greedy sampling at
-`sampling_positions` (on-device for Laplace, on the host for MLA-Trinity). docs/trainium.md describes the contract.
+`NeuronRunner` plays vllm-neuron's `NeuronModelRunner` with its `NeuronScheduler`, step for step. No vLLM Neuron
+0.29/GA runner source is public; each behaviour follows the newest source that shows it (docs/trainium.md, "The
+contract", has the table; commits in full there):
 
-With `compile_backend`, as the runner's `load_model` and warm-up do: the model is compiled with
-`torch.compile(fullgraph=True, dynamic=False)` (one static graph per input shape), every bucket is warmed up with
-synthetic inputs of the runner's form, and every later step runs under `torch.compiler.set_stance("fail_on_recompile")`.
-Each graph the backend compiles is kept (`graphs`: the aten-level graph after functionalization).
+- construction: `from_configs(hf_config, neuron_config)` under `torch.device("meta")`, `load_weights(checkpoint_path,
+  device, cache_dir)`, `.to(device)` (0.24 runner @ 9fc042ea, 0.26 runner longdct/vllm-neuron @ 056829c0);
+- neuron_config: an absent `on_device_sampling_config` turns on-device sampling on, an explicit null off
+  (`NeuronConfig.from_dict`, both runners); segmented prefill is on when max_num_batched_tokens < max_model_len,
+  with kv_segment_size_buckets = num_batched_tokens_buckets = [max_num_batched_tokens], a size in {512 ... 8192},
+  and a differing explicit num_batched_tokens_buckets refused (`resolve_segmented_prefill_config`,
+  `validate_kv_segment_size_buckets`, 0.26 runner; docs 2.32/2.33 configuration reference);
+- caches (0.26 runner, native route, `initialize_kv_cache`): every layer in the --kv-cache-dtype (`LayerSpec.dtype`
+  is not read, both runners); FULL / SLIDING_WINDOW layers get separate zeroed K and V tensors `[blocks, kv_heads,
+  block_size, head]`, bound `[k, v]`; MLA layers one `[blocks, kv_heads, block_size, head]` tensor, bound
+  `[latent]`; recurrent states (`RecurrentLayerSpec`, fork code: no runner read allocates them) one tensor per
+  state, `[blocks, *shape]` in the spec's dtypes;
+- one prefill per step, padded to its token bucket (pad token 0 at the last real position), never mixed with
+  decodes; decode batches padded to a `num_seqs_buckets` bucket (token 0, position 0, stale block-table rows,
+  sampling positions padded with the last real index); padded tokens' slots `PAD_SLOT_ID` (-1: docs, 0.26 runner;
+  `pad_slot=NULL_BLOCK_ID` plays the 0.24 runner, which wrote 0); block tables with the null block as -1
+  (`_remap_null_block_to_sentinel`), trimmed at decode to the sliding window (`swa_kv_pos_offset`) or a
+  `decode_context_length_buckets` bucket (both runners);
+- forward kwargs (0.26 runner `_execute_model_forward`, onboarding docs): input_ids int32, positions int64,
+  attn_metadata, sampling_positions, sampling_params float32 `[rows, 3]` = top_k, top_p, temperature (None without
+  on-device sampling; warm-up rows `[0, 1.0, 1.0]`), spec_decode_metadata None, logit_mask None (no structured
+  outputs), rank (0-d int32), and with `prompt_embeds` the `inputs_embeds` / `is_token_ids` pair;
+- compile (both runners' `load_model`, fork `neuron_utils.model_forward_context`): with `compile_backend`,
+  `torch.compile(fullgraph=True, dynamic=False)` (one static graph per input shape), the recompile limit lifted,
+  every bucket warmed up with the runner's synthetic inputs, then every step under `fail_on_recompile`. Each graph
+  the backend compiles is kept (`graphs`: the aten-level graph after functionalization).
 """
 
 from __future__ import annotations
@@ -26,9 +42,11 @@ from typing import Any
 
 import torch
 
-from vllm_trn_plugin.neuron.contract import NULL_BLOCK_ID, PAD_SLOT_ID, NeuronConfig
-
 STEPS = 8  # generated tokens per request
+NULL_BLOCK_ID = 0  # vLLM's null block (both runners)
+PAD_SLOT_ID = -1  # padded tokens' slot (docs, 0.26 runner)
+SUPPORTED_KV_SEGMENT_SIZES = (512, 1024, 2048, 4096, 8192)  # 0.26 runner's bucket_utils
+GREEDY = (-1.0, 1.0, 0.0)  # a request's sampling_params row: top_k (off), top_p, temperature 0
 
 
 def bucket_for_count(count: int, buckets: list[int]) -> int:
@@ -44,6 +62,7 @@ def cdiv(a: int, b: int) -> int:
 class Request:
     prompt: list[int]
     arrival: int  # decode steps after which it is submitted
+    sampling: tuple[float, float, float] = GREEDY
     out: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose cache entries are written
     blocks: dict[str, list[int]] = field(default_factory=dict)
@@ -63,9 +82,9 @@ class Group:
     free: list[int] = field(default_factory=list)
 
 
-class BetaRunner:
-    """vllm-neuron's Beta runner and scheduler, as far as a model can tell (one process per tensor-parallel rank,
-    each driving the same steps; no spec decode; host sampling or greedy on-device sampling)."""
+class NeuronRunner:
+    """vLLM Neuron's runner and scheduler, as far as a model can tell (one process per tensor-parallel rank, each
+    driving the same steps; no spec decode)."""
 
     def __init__(
         self,
@@ -76,23 +95,30 @@ class BetaRunner:
         *,
         block_size: int,
         num_blocks: int,
-        max_num_batched_tokens: int,
-        pad_slot: int = NULL_BLOCK_ID,
+        pad_slot: int = PAD_SLOT_ID,
         rank: int = 0,
         compile_backend: str | None = None,
+        prompt_embeds: bool = False,
     ) -> None:
         from vllm.config import set_current_vllm_config
 
-        self.nc = NeuronConfig.from_dict(neuron_config)
         self.max_model_len = runner_cfg.model_config.max_model_len
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = self.nc.num_seqs_buckets[-1]
-        self.pad_slot = pad_slot  # padded tokens' slot: NULL_BLOCK_ID (0) at vLLM 0.24, PAD_SLOT_ID (-1) at 0.21
+        self.max_num_batched_tokens = max_num_batched_tokens = runner_cfg.scheduler_config.max_num_batched_tokens
+        nc = dict(neuron_config)
+        self.num_seqs_buckets = nc["num_seqs_buckets"]
+        self.context_buckets = nc.get("decode_context_length_buckets") or []
+        self.sampling_on_device = nc.get("on_device_sampling_config", {}) is not None
+        self.segment = self._segmented_prefill(nc, max_num_batched_tokens)
+        self.token_buckets = nc.get("num_batched_tokens_buckets") or [self.segment or max_num_batched_tokens]
+        self.max_num_seqs = self.num_seqs_buckets[-1]
+        self.kv_dtype = _kv_cache_dtype(runner_cfg)
+        self.pad_slot = pad_slot
         self.rank = rank  # this worker's tensor-parallel rank, passed to every forward
+        self.prompt_embeds = prompt_embeds
         t0 = time.perf_counter()
         with set_current_vllm_config(runner_cfg):  # the worker's load_model runs under its config
             with torch.device("meta"):
-                model = model_cls.from_configs(runner_cfg.model_config.hf_config, self.nc)
+                model = model_cls.from_configs(runner_cfg.model_config.hf_config, neuron_config)
             model.load_weights(runner_cfg.model_config.model, torch.device("cpu"), None)
         self.model = model.to("cpu")
         self.load_seconds = time.perf_counter() - t0
@@ -118,30 +144,38 @@ class BetaRunner:
             with torch._dynamo.config.patch(recompile_limit=2**62, accumulated_recompile_limit=2**62):
                 self.warm_up()
 
+    def _segmented_prefill(self, nc: dict[str, Any], mnbt: int) -> int | None:
+        """The prefill segment size, or None for single-shot prefill (`resolve_segmented_prefill_config`)."""
+        if mnbt >= self.max_model_len:
+            return None
+        if mnbt not in SUPPORTED_KV_SEGMENT_SIZES:
+            raise ValueError(f"runner: segmented prefill needs max_num_batched_tokens in {SUPPORTED_KV_SEGMENT_SIZES}")
+        given = nc.get("num_batched_tokens_buckets")
+        if given is not None and list(given) != [mnbt]:
+            raise ValueError(f"runner: num_batched_tokens_buckets {given} must equal kv_segment_size_buckets {[mnbt]}")
+        return mnbt
+
     # --- initialize_kv_cache ---
 
     def _initialize_kv_cache(self, spec: Any, block_size: int, num_blocks: int) -> dict[str, list[torch.Tensor]]:
-        def raw(numel: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(numel * dtype.itemsize, dtype=torch.int8).view(dtype)
+        def zeros(*shape: int, dtype: torch.dtype = self.kv_dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype)
 
         self.groups: dict[str, Group] = {}
         caches: dict[str, list[torch.Tensor]] = {}
         for s in spec.layers:
+            shape = (num_blocks, s.num_kv_heads, block_size, s.head_size)
+            if s.cache_kind.value == "mla":
+                self.groups.setdefault("mla", Group([], block_size)).layers.append(s.name)
+                caches[s.name] = [zeros(*shape)]
+                continue
             key = f"attn-w{s.sliding_window_size}"
             self.groups.setdefault(key, Group([], block_size, window=s.sliding_window_size)).layers.append(s.name)
-            t = raw(2 * num_blocks * s.num_kv_heads * block_size * s.head_size, s.dtype)
-            t = t.view(2, num_blocks, s.num_kv_heads, block_size, s.head_size)
-            caches[s.name] = [t[0], t[1]]
-        for s in spec.latent_layers:
-            self.groups.setdefault("latent", Group([], block_size)).layers.append(s.name)
-            caches[s.name] = [raw(num_blocks * block_size * s.kv_lora_rank, s.dtype).view(num_blocks, block_size, -1)]
+            caches[s.name] = [zeros(*shape), zeros(*shape)]
         for s in spec.recurrent_layers:
             # vLLM sizes a recurrent group's block to max_model_len: one block (= state slot) per request
             self.groups.setdefault("recurrent", Group([], self.max_model_len, recurrent=True)).layers.append(s.name)
-            caches[s.name] = [
-                raw(num_blocks * int(torch.Size(sh).numel()), dt).view(num_blocks, *sh)
-                for sh, dt in zip(s.shapes, s.dtypes)
-            ]
+            caches[s.name] = [zeros(num_blocks, *sh, dtype=dt) for sh, dt in zip(s.shapes, s.dtypes)]
         for g in self.groups.values():
             g.free = list(range(num_blocks - 1, NULL_BLOCK_ID, -1))  # block 0 is vLLM's null block
         return caches
@@ -209,12 +243,12 @@ class BetaRunner:
         """Every bucket once, with the runner's synthetic inputs (one prefill of each token bucket; one decode of
         each width bucket at each context bucket), compiling its graph; timed per bucket."""
         vocab = self.model.config.vocab_size  # the runner's token ids 1..T, within a small model's vocabulary
-        for T in self.nc.num_batched_tokens_buckets:
+        for T in self.token_buckets:
             t0 = time.perf_counter()
             self.step(self._prefill_kwargs([1 + t % (vocab - 1) for t in range(T)], 0, None), stance="default")
             self.warmup_seconds[("prefill", T)] = time.perf_counter() - t0
-        contexts = [c - 1 for c in self.nc.decode_context_length_buckets or []] + [self.max_model_len - 1]
-        for P in self.nc.num_seqs_buckets:
+        contexts = [c - 1 for c in self.context_buckets] + [self.max_model_len - 1]
+        for P in self.num_seqs_buckets:
             for ctx in contexts:
                 kwargs = self._decode_kwargs([1] * P, torch.full((P,), ctx, dtype=torch.long), None)
                 t0 = time.perf_counter()
@@ -232,7 +266,7 @@ class BetaRunner:
                 raise AssertionError(f"{key}: a block no live request owns was written")
         if isinstance(out, tuple):  # on-device sampling: (tokens, logits or None)
             return out[0][:n].tolist()
-        return out[:n].argmax(-1).tolist()  # the host sampler, all greedy
+        return out[:n].argmax(-1).tolist()  # the host sampler; the tests' host-sampled requests are greedy
 
     def _meta(self, name: str, table: torch.Tensor, slots: torch.Tensor, max_query_len: int, cached: int) -> dict:
         full = torch.where(table == NULL_BLOCK_ID, PAD_SLOT_ID, table)  # _remap_null_block_to_sentinel
@@ -244,7 +278,7 @@ class BetaRunner:
             "max_blocks_per_seq": full.shape[1],
             "decode_token_threshold": 1,
             "cached_seq_len": torch.tensor([[cached]], dtype=torch.int32),
-            "kv_segment_size": 0,
+            "kv_segment_size": self.segment or 0,
             "full_block_table_tensor": full.clone(),
         }
 
@@ -273,7 +307,7 @@ class BetaRunner:
         """The forward arguments of a prefill of `tokens` at positions start.., padded to its token bucket; without a
         request, the runner's synthetic warm-up inputs (slots and block ids counting up from 0)."""
         n = len(tokens)
-        T = bucket_for_count(n, self.nc.num_batched_tokens_buckets)
+        T = bucket_for_count(n, self.token_buckets)
         ids = torch.zeros(T, dtype=torch.int32)
         ids[:n] = torch.tensor(tokens)
         positions = torch.full((T,), start + n - 1, dtype=torch.long)  # pads repeat the last real position
@@ -289,7 +323,8 @@ class BetaRunner:
                 table[0, : len(req.blocks[name])] = torch.tensor(req.blocks[name], dtype=torch.int32)
                 slots[:n] = torch.tensor([self._slot(req, name, p) for p in range(start, start + n)])
             metas[name] = self._meta(name, table, slots, T, start)
-        return self._kwargs(ids, positions, metas, torch.tensor([n - 1]), rows=1)
+        sampling = [req.sampling] if req is not None else [(0.0, 1.0, 1.0)]
+        return self._kwargs(ids, positions, metas, torch.tensor([n - 1]), sampling, embedded=n if req else 0)
 
     def decode(self) -> None:
         n = len(self.rows)
@@ -322,7 +357,7 @@ class BetaRunner:
         """The forward arguments of a decode of one token per row at positions `ctx`, padded to its width bucket;
         without requests, the runner's synthetic warm-up inputs (every row live, slots and block ids from 0)."""
         n = len(tokens)
-        P = bucket_for_count(n, self.nc.num_seqs_buckets)  # get_decode_padded_batch_size
+        P = bucket_for_count(n, self.num_seqs_buckets)  # get_decode_padded_batch_size
         ids = torch.zeros(P, dtype=torch.int32)
         ids[:n] = torch.tensor(tokens)
         positions = torch.zeros(P, dtype=torch.long)
@@ -347,9 +382,8 @@ class BetaRunner:
                 meta["block_table_tensor"] = meta["block_table_tensor"].gather(1, gather)
                 meta["max_blocks_per_seq"] = nblk
                 meta["swa_kv_pos_offset"] = (start * bs).to(torch.int32)
-            elif not g.recurrent and self.nc.decode_context_length_buckets:  # _decode_ctx_blocks_from_...
-                buckets = self.nc.decode_context_length_buckets + [self.max_model_len]
-                bucket = bucket_for_count(int(positions.max()) + 1, buckets)
+            elif not g.recurrent and self.context_buckets:  # _decode_ctx_blocks_from_max_decode_ctx_len
+                bucket = bucket_for_count(int(positions.max()) + 1, self.context_buckets + [self.max_model_len])
                 nblk = cdiv(bucket, bs)
                 meta["block_table_tensor"] = meta["block_table_tensor"].index_select(1, torch.arange(nblk))
                 meta["max_blocks_per_seq"] = nblk
@@ -357,23 +391,45 @@ class BetaRunner:
                 if rows is not None:
                     self.padded_shapes.add(("decode-ctx", bucket))
             metas[name] = meta
-        sampling = torch.cat([torch.arange(n), torch.full((P - n,), n - 1)])
-        return self._kwargs(ids, positions, metas, sampling, rows=P)
+        sampling_positions = torch.cat([torch.arange(n), torch.full((P - n,), n - 1)])
+        sampling = [req.sampling for req in rows] if rows else [(0.0, 1.0, 1.0)] * n
+        sampling += [GREEDY] * (P - n)
+        return self._kwargs(ids, positions, metas, sampling_positions, sampling, embedded=0)
 
     def _kwargs(
-        self, ids: torch.Tensor, positions: torch.Tensor, metas: dict, sampling: torch.Tensor, rows: int
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        metas: dict,
+        sampling_positions: torch.Tensor,
+        sampling: list[tuple[float, float, float]],
+        embedded: int,
     ) -> dict:
-        ods = self.nc.on_device_sampling_config is not None
-        return dict(
+        """The forward's keyword arguments; with `prompt_embeds`, the first `embedded` tokens (a prompt's) are given
+        as embeddings (the table's rows for those ids) and marked as such in is_token_ids."""
+        kwargs = dict(
             input_ids=ids,
             positions=positions,
             attn_metadata=self._by_layer(metas),
-            sampling_positions=sampling,
-            sampling_params=torch.tensor([[0, 1.0, 0.0]] * rows) if ods else None,  # [top_k, top_p, temperature]
+            sampling_positions=sampling_positions,
+            sampling_params=torch.tensor(sampling, dtype=torch.float32) if self.sampling_on_device else None,
             spec_decode_metadata=None,
-            rank=torch.tensor(self.rank, dtype=torch.int32),
             logit_mask=None,
+            rank=torch.tensor(self.rank, dtype=torch.int32),
         )
+        if self.prompt_embeds:
+            table = self.embedding_table()
+            # in the model dtype (the docs' example serves bf16, whose embeddings are bf16)
+            embeds = torch.zeros(ids.shape[0], table.shape[1], dtype=table.dtype)
+            embeds[:embedded] = table[ids[:embedded].long()]
+            is_token_ids = torch.ones(ids.shape[0], dtype=torch.bool)
+            is_token_ids[:embedded] = False
+            kwargs |= dict(inputs_embeds=embeds, is_token_ids=is_token_ids)
+        return kwargs
+
+    def embedding_table(self) -> torch.Tensor:
+        """The checkpoint's token embedding table as loaded (what a client's prompt embeddings are rows of)."""
+        return next(p for n, p in self.model.named_parameters() if n.endswith("embed_tokens.weight")).detach()
 
     def generate(self, requests: list[Request], max_decode_steps: int | None = None) -> list[list[int]]:
         """NeuronScheduler order: an arrived prompt is prefilled (segment by segment) before the next decode."""
@@ -418,9 +474,19 @@ class BetaRunner:
         return [m for m in self.model.modules() if isinstance(m, TrinityLatentAttention)]
 
 
+def _kv_cache_dtype(cfg: Any) -> torch.dtype:
+    """`kv_cache_dtype_str_to_dtype(cache_config.cache_dtype, model_config)`: every layer's cache dtype."""
+    cache_dtype = str(cfg.cache_config.cache_dtype)
+    if cache_dtype == "auto":
+        return cfg.model_config.dtype
+    if cache_dtype.startswith("fp8"):
+        return torch.float8_e4m3fn
+    return getattr(torch, cache_dtype)
+
+
 def runner_config(ckpt: Path, max_model_len: int, tp: int = 1, dtype: str = "float32", **engine_args: Any) -> Any:
-    """The runner's vLLM config (what the Beta worker holds; float32 like the reference engines by default);
-    `engine_args` as the user passes them (e.g. additional_config, kv_cache_dtype)."""
+    """The runner's vLLM config (what the worker holds; float32 like the reference engines by default);
+    `engine_args` as the user passes them (e.g. additional_config, kv_cache_dtype, max_num_batched_tokens)."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(
@@ -440,17 +506,23 @@ def opaque_ops(graphs: list[Any], declared: tuple[str, ...]) -> dict[str, int]:
     vLLM's build, Python arithmetic on a value read off a tensor), and every host read of a device value
     (`aten._local_scalar_dense`: what `.item()`, `int(t)` and `.tolist()` trace to). A mutating op appears wrapped
     by functionalization; its wrapped op is what is judged."""
-    found: dict[str, int] = {}
+    return {name: n for (name, _), n in kernel_nodes(graphs, declared).items()}
+
+
+def kernel_nodes(graphs: list[Any], declared: tuple[str, ...] = ()) -> dict[tuple[str, tuple[str, ...]], int]:
+    """`opaque_ops` keyed by (op name, the arguments functionalization marks it as mutating)."""
+    found: dict[tuple[str, tuple[str, ...]], int] = {}
     for gm in graphs:
         for node in gm.graph.nodes:
             if node.op != "call_function" or node.target is operator.getitem:
                 continue
-            target = node.target
+            target, mutated = node.target, ()
             if isinstance(target, torch._ops.HigherOrderOperator) and target.name().startswith("auto_functionalized"):
                 target = node.args[0]
+                mutated = tuple(sorted(a.name for a in target._schema.arguments if a.is_write))
             name = target.name() if isinstance(target, torch._ops.OpOverload) else str(target)
             host_read = name.startswith("aten::_local_scalar_dense")
             if (name.split("::")[0] in ("aten", "prims") and not host_read) or name in declared:
                 continue
-            found[name] = found.get(name, 0) + 1
+            found[(name, mutated)] = found.get((name, mutated), 0) + 1
     return found
