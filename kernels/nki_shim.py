@@ -4,7 +4,7 @@ Kernels do ``from vllm_trn_plugin.kernels.nki_shim import nki, nl, nisa`` and ar
 NKI syntax. ``USING_EMULATOR`` says which one was picked. ``simulate(kernel)`` is ``nki.simulate``
 with the real package (CPU simulator shipped in the wheel; documented, not runnable here) and the
 emulator's ``simulate`` otherwise: both take torch tensors and return torch tensors, and in-place
-writes to input HBM tensors land in the caller's tensors [SIM] (tags: the sources in docs/nki-0.6.md).
+writes to input HBM tensors land in the caller's tensors [SIM] (tags: the sources in docs/nki.md).
 
 Importing this module imports the emulator when the genuine package is missing: the dispatch imports it
 only when a kernel may run (``VLLM_TRN_KERNELS=emulate`` or ``nki``, or ``auto`` with tensors on a Neuron

@@ -8,7 +8,7 @@ types as the simulator does with ``NKI_PRECISE_FP=1`` [SIM]: ``bfloat16`` -> ``m
 Cast rules (engines compute in fp32 and cast the fp32 result on write [SHARED, TRN1, ISA]):
 
 * fp32 -> bfloat16 / fp8: round to nearest even (``ml_dtypes`` astype; the hardware rounding mode is
-  UNCONFIRMED, docs/nki-0.6.md section 7).
+  UNCONFIRMED, docs/nki.md section 7).
 * fp32 -> ``float8_e4m3``: our spec choice (the hardware overflow behaviour is UNCONFIRMED): a value
   whose RNE result would lie beyond +-240 (|x| >= 248, and +-inf) becomes NaN, never inf. Values in
   (240, 248) round to +-240 like any RNE cast.
@@ -40,6 +40,14 @@ tfloat32 = "tfloat32"
 float8_e4m3 = "float8_e4m3"
 float8_e5m2 = "float8_e5m2"
 float8_e4m3fn = "float8_e4m3fn"
+# Names only (issue 28, the nki-library peer suite): the trn3 packed MX types and the MX scale type [NL, SHARED].
+# nki-library names them at import time; the emulator has no storage or arithmetic for them, so tensors of these
+# dtypes are refused (``normalize``) rather than mis-emulated.
+float8_e4m3fn_x4 = "float8_e4m3fn_x4"
+float8_e5m2_x4 = "float8_e5m2_x4"
+float4_e2m1fn_x4 = "float4_e2m1fn_x4"
+float8_e8m0fnu = "float8_e8m0fnu"
+NOT_EMULATED = frozenset({float8_e4m3fn_x4, float8_e5m2_x4, float4_e2m1fn_x4, float8_e8m0fnu})
 
 NP_DTYPES: dict[str, np.dtype] = {
     bool_: np.dtype(np.uint8),
@@ -83,6 +91,8 @@ _FROM_NP: dict[np.dtype, str] = {
 def normalize(dtype: object) -> str:
     """Return the NKI dtype string for ``dtype`` (an NKI string or a NumPy / ml_dtypes dtype)."""
     if isinstance(dtype, str):
+        if dtype in NOT_EMULATED:
+            raise TypeError(f"NKI dtype {dtype!r} (MX / packed x4, trn3) is not emulated")
         if dtype not in NP_DTYPES:
             raise TypeError(f"unknown NKI dtype {dtype!r}")
         return dtype

@@ -43,3 +43,15 @@ class OutOfBoundsError(NkiValidationError, IndexError):
 
 class RegisterError(NkiValidationError, TypeError):
     """A ``VirtualRegister`` was used as a Python value, or read before being written."""
+
+
+class LncError(NkiValidationError):
+    """An LNC launch rule was violated: the kernel's LNC degree differs from the compiler's (NCC_EVRF066 [EVRF066]),
+    an unsupported degree, programs that return different outputs, or a cross-core operation (``core_barrier``,
+    ``sendrecv``) that the other program never reaches."""
+
+
+class LoopBodyError(NkiValidationError):
+    """A compiled loop (``nl.fori_loop``) whose iterations emit different instruction sequences: the compiler traces
+    the body once [CF], so a body whose instructions depend on Python state that changes per iteration cannot be a
+    compiled loop."""

@@ -4,19 +4,21 @@ Every instruction runs eagerly in NumPy, vectorised over the whole tile. Engines
 fp32, compute in fp32 and cast on write (see ``dtypes``) [SHARED, TRN1, ISA]; TensorE sums each
 matmul exactly (float64, then one rounding to fp32) and accumulates across matmuls in fp32 PSUM.
 Checks raise subclasses of ``errors.NkiValidationError`` naming the instruction and the operand. Tags in
-brackets are the sources listed in docs/nki-0.6.md.
+brackets are the sources listed in docs/nki.md.
 """
 
 from __future__ import annotations
 
 import math
-from enum import Enum
+import os
+from enum import Enum, IntEnum
 from typing import Any
 
 import numpy as np
 
+from . import cost, errors, ops
 from . import dtypes as dt
-from . import errors, ops
+from .lnc import core_barrier, sendrecv  # noqa: F401 - nisa.* entry points of the cross-core operations [LNC-API]
 from .memory import (
     PMAX,
     PSUM_BANK_BYTES,
@@ -222,7 +224,9 @@ def dma_copy(
             f"{op}: oob_mode must be nisa.oob_mode.error or .skip (raw ints rejected [MIG])"
         )
     skip = oob_mode is _OOB.skip
+    dry = ctx().dry  # tracing a compiled-loop body that does not run: move nothing (memory.KernelContext.traced_only)
     vector = any(t.indirect is not None and t.indirect.kind == "vector" for t in (src, dst))
+    s_flat = d_flat = rows = None  # element indices moved, for the descriptor count (cost.dma_runs)
     if not vector:
         s_off, s_msg = src.base_offset()
         d_off, d_msg = dst.base_offset()
@@ -234,10 +238,12 @@ def dma_copy(
         if bad:
             vals = np.zeros(0, dt.np_dtype(dst.dtype))
         else:
+            s_flat, d_flat = src.element_index()[0].reshape(-1), dst.element_index()[0].reshape(-1)
             vals = s_view.reshape(-1)
             if src.dtype != dst.dtype:
                 vals = dt.cast(dt.to_f32(vals), dst.dtype)
-            d_view[...] = vals.reshape(dst.shape)
+            if not dry:
+                d_view[...] = vals.reshape(dst.shape)
     else:
         s_idx, s_valid, s_msg = src.element_index()
         d_idx, d_valid, d_msg = dst.element_index()
@@ -247,19 +253,22 @@ def dma_copy(
                     raise errors.OutOfBoundsError(f"{op}: out-of-bounds {msg} on '{n}'")
         s_flat = s_idx.reshape(-1)
         d_flat = d_idx.reshape(-1)
+        # each indexed row is its own descriptor: the row of element k is k // (elements per partition)
+        rows = np.arange(s_flat.size) // max(1, s_flat.size // (src if src.indirect else dst).shape[0])
         valid = np.ones(s_flat.shape, bool)
         if s_valid is not None:
             valid &= s_valid.reshape(-1)
         if d_valid is not None:
             valid &= d_valid.reshape(-1)
         if not valid.all():
-            s_flat, d_flat = s_flat[valid], d_flat[valid]
+            s_flat, d_flat, rows = s_flat[valid], d_flat[valid], rows[valid]
         vals = src.storage.typed(src.dtype)[s_flat]
         if src.dtype != dst.dtype:
             vals = dt.cast(dt.to_f32(vals), dst.dtype)
-        dst.storage.typed(dst.dtype)[d_flat] = vals
+        if not dry:
+            dst.storage.typed(dst.dtype)[d_flat] = vals
     n = int(vals.size)
-    if not dst.onchip and n:
+    if not dst.onchip and n and not dry:
         dst.storage.written = True
     c = ctx().counters
     c.dma_instructions += 1
@@ -273,6 +282,40 @@ def dma_copy(
         c.dma_sbuf_to_hbm_bytes += n * dt.itemsize(dst.dtype)
     else:
         c.dma_sbuf_to_sbuf_bytes += n * dt.itemsize(src.dtype)
+    _dma_cost(c, src, dst, s_flat, d_flat, rows)
+
+
+def _dma_cost(c: Any, src: NkiTensor, dst: NkiTensor, s_flat: Any, d_flat: Any, rows: Any) -> None:
+    """Descriptors, run lengths and estimated time of one dma_copy (model and sources: ``cost``)."""
+    s_isz, d_isz = dt.itemsize(src.dtype), dt.itemsize(dst.dtype)
+    side_isz = s_isz if is_hbm(src.buffer) or not is_hbm(dst.buffer) else d_isz
+    if s_flat is None or not s_flat.size:
+        runs = cost.dma_runs(np.zeros(0, np.int64), np.zeros(0, np.int64), s_isz, d_isz, None, None, None, side_isz)
+    else:
+        runs = cost.dma_runs(
+            s_flat.astype(np.int64) * s_isz,
+            d_flat.astype(np.int64) * d_isz,
+            s_isz,
+            d_isz,
+            src.storage.part_bytes,
+            dst.storage.part_bytes,
+            rows,
+            side_isz,
+        )
+    c.dma_descriptors += runs.descriptors
+    c.dma_src_runs += runs.src_runs
+    c.dma_dst_runs += runs.dst_runs
+    c.dma_run_bytes += int(runs.run_bytes.sum())
+    if runs.descriptors:
+        sizes, counts = np.unique(runs.lengths * side_isz, return_counts=True)
+        for b, k in zip(sizes.tolist(), counts.tolist()):
+            key = cost.run_bucket(b)
+            c.dma_run_hist[key] = c.dma_run_hist.get(key, 0) + k
+        smallest = int(sizes[0])
+        c.dma_run_bytes_min = smallest if c.dma_run_bytes_min is None else min(c.dma_run_bytes_min, smallest)
+    t = runs.transfer_ns()
+    c.dma_transfer_ns += t
+    c.dma_time_ns += cost.DMA_FIXED_NS + t
 
 
 def tensor_copy(dst: NkiTensor, src: NkiTensor, engine: engine = engine.unknown, name: str | None = None) -> None:
@@ -452,8 +495,9 @@ def nc_matmul(
     if dst.dtype != dt.float32:
         raise errors.DtypeError(f"{op}: dst must be float32 on trn2, got {dst.dtype} [ISA]")
     _check_bank(dst, op)
-    a = _rd(st, op).astype(np.float64).reshape(kk, m)
-    b = _rd(mv, op).astype(np.float64).reshape(kk, nfree)
+    # operand precision of fp32/tf32 matmuls: ops.NUMERICS.fp32_matmul (UNCONFIRMED on hardware; default exact)
+    a = ops.tensor_engine_operand(_rd(st, op), st.dtype).reshape(kk, m)
+    b = ops.tensor_engine_operand(_rd(mv, op), mv.dtype).reshape(kk, nfree)
     res = (a.T @ b).astype(np.float32)
     _psum_accumulate(dst, res, accumulate, op)
 
@@ -470,7 +514,8 @@ def _psum_accumulate(dst: NkiTensor, res: np.ndarray, accumulate: bool | None, o
     else:
         out = res
     _wr(dst, out, op)
-    mask[...] = True
+    if not ctx().dry:  # a traced-only loop body marks nothing as written (memory.KernelContext.traced_only)
+        mask[...] = True
 
 
 def nc_transpose(dst: NkiTensor, data: NkiTensor, engine: engine = engine.unknown, name: str | None = None) -> None:
@@ -545,7 +590,7 @@ def activation(
     fp32 registers shared by the activation family persist across instructions; ``reduce_cmd``
     ``reset`` zeroes them, ``idle`` leaves them, ``reduce`` adds the row sums of this instruction's
     fp32 output, ``reset_reduce`` zeroes then adds (the docstring's pseudocode is ambiguous; this is
-    docs/nki-0.6.md's reading, UNCONFIRMED); ``reduce_res`` (P, 1) receives the registers. Registers are
+    docs/nki.md's reading, UNCONFIRMED); ``reduce_res`` (P, 1) receives the registers. Registers are
     NaN-poisoned at kernel start, so reading them with ``idle`` before any reset shows NaN.
     """
     opn = "activation"
@@ -857,3 +902,429 @@ def register_load(dst: VirtualRegister, src: NkiTensor) -> None:
         raise errors.RegisterError("register_load: dst must be a VirtualRegister")
     _count("register_load")
     dst.write(_scalar_tensor_value(_tensor(src, "register_load", "src"), "register_load"), "register_load")
+
+
+# =====================================================================================================================
+# nki-library peer-suite additions (issue 28): the rest of ``nki.isa`` that AWS's nki-library kernels use. Each
+# follows its docstring in the 0.6 API stub [ISA] (aws-neuron/aws-neuron-sdk @ 81ce03ae, nki/api/nki/isa/__init__.py);
+# choices the docstring leaves open are marked UNCONFIRMED. Unit tests: tests/test_nki_emu_library_api.py.
+# =====================================================================================================================
+dma_engine = Enum("dma_engine", {"dma": 1, "gpsimd_dma": 2})
+
+
+class nc_version(IntEnum):  # noqa: N801 - NKI's name
+    """NeuronCore version [ISA nc_version]: gen2 (trn1/inf2) = 2, gen3 (trn2) = 3, gen4 (trn3) = 4. Ordered:
+    nki-library compares ``get_nc_version() >= nc_version.gen4`` [L-ATK] (and notes that ordering "comparison
+    support" came after its ``==`` spelling [L-KH]); an IntEnum gives that order (and equality with the raw ints)."""
+
+    gen2 = 2
+    gen3 = 3
+    gen4 = 4
+
+
+# Deprecated module-level engine aliases nki-library still uses (``nisa.vector_engine`` ...) [ISA, docs/nki.md 5.7].
+tensor_engine = engine.tensor
+vector_engine = engine.vector
+scalar_engine = engine.scalar
+gpsimd_engine = engine.gpsimd
+unknown_engine = engine.unknown
+
+_NC_TARGETS = {"gen3": 3, "3": 3, "trn2": 3}
+
+
+def get_nc_version() -> Any:
+    """``nisa.get_nc_version()``: "the nc_version of the current target context" [ISA]. The emulator models trn2
+    only, so this is ``nc_version.gen3``. AWS's harness announces its target in ``NKI_NC_VERSION`` (``"gen3"`` for
+    trn2 [L-SIMSETUP]); a different target there is refused rather than emulated with trn2 rules."""
+    want = os.environ.get("NKI_NC_VERSION", "").strip()
+    if want and want.lower() not in _NC_TARGETS:
+        raise errors.NkiValidationError(
+            f"get_nc_version: NKI_NC_VERSION={want!r}, but the emulator models trn2 (nc_version.gen3) only"
+        )
+    return nc_version.gen3
+
+
+def get_nc_sub_version() -> int:
+    """``nisa.get_nc_sub_version()``: silicon revision within the generation, 0 = first (default) [ISA]."""
+    return 0
+
+
+def _vec_regs_update(
+    rows: np.ndarray, rn: str, cmd: Any, init: np.ndarray | None, op: str, allowed: tuple[Any, ...]
+) -> np.ndarray:
+    """VectorE accumulator registers [ISA tensor_scalar_reduce]: ``reset_reduce`` = identity of ``rn`` then fold the
+    row reductions ``rows`` (P,) in; ``reduce`` folds into the current state; ``load_reduce`` loads ``init`` (P,) then
+    folds; ``reset`` / ``idle`` as in activation. Returns the registers (P,) after the instruction."""
+    if not isinstance(cmd, _RCMD) or cmd not in allowed:
+        raise errors.NkiValidationError(f"{op}: reduce_cmd {cmd!r} not supported here [ISA]")
+    regs = ctx().vec_regs
+    parts = rows.shape[0]
+    if cmd in (_RCMD.reset, _RCMD.reset_reduce):
+        regs[:parts] = ops.REDUCE_INIT[rn]
+    if cmd is _RCMD.load_reduce:
+        if init is None:
+            raise errors.NkiValidationError(f"{op}: reduce_cmd.load_reduce needs reduce_init [ISA]")
+        regs[:parts] = init
+    if cmd in (_RCMD.reduce, _RCMD.reset_reduce, _RCMD.load_reduce):
+        regs[:parts] = ops.reduce_arith(rn, np.stack([regs[:parts], rows], axis=1), (1,))
+    return regs[:parts].copy()
+
+
+_REDUCE_NAMES = {"add": "add", "multiply": "multiply", "maximum": "maximum", "max": "maximum", "minimum": "minimum",
+                 "min": "minimum"}
+
+
+def _reduce_name(reduce_op: Any, op: str) -> str:
+    rn = _REDUCE_NAMES.get(ops.op_name(reduce_op, op))
+    if rn is None:
+        raise errors.NkiValidationError(f"{op}: reduce_op must be nl.add, nl.multiply, nl.maximum or nl.minimum [ISA]")
+    return rn
+
+
+def _column_out(t: Any, parts: int, op: str, name: str) -> NkiTensor:
+    t = _onchip(t, op, name)
+    if t.shape[0] != parts or _free(t) != 1:
+        raise errors.ShapeError(f"{op}: {name} must be ({parts}, 1), got {t.shape} [ISA]")
+    return t
+
+
+def tensor_scalar_reduce(
+    dst: NkiTensor,
+    data: NkiTensor,
+    op0: Any,
+    operand0: Any,
+    reduce_op: Any,
+    reduce_res: NkiTensor | None = None,
+    reverse0: bool = False,
+    reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce,
+    reduce_init: Any = None,
+    reduce_res_negate: bool = False,
+    name: str | None = None,
+) -> None:
+    """``dst = data op0 operand0`` and ``reduce_res = reduce_op`` over all free dims of that result, on VectorE
+    [ISA tensor_scalar_reduce]. One arithmetic op (bitvec refused); ``operand0`` a scalar or a (P, 1) float32 tile
+    (None / 0 for unary ops such as ``nl.abs``); ``reverse0`` is "not supported yet" [ISA] and refused.
+    ``reduce_op``: add, multiply, max, min (``nl.maximum`` / ``nl.minimum``, as nki-library spells them [L-RMSQ]).
+    Accumulator registers (shared with the other VectorE accumulating instructions): ``reset_reduce`` (default) resets
+    to the identity (0, 1, -inf, +inf) then accumulates, ``reduce`` accumulates, ``load_reduce`` loads
+    ``reduce_init`` ((P, 1) float32 tile or scalar) then accumulates; ``reduce_res`` (P, 1) receives them, negated with
+    ``reduce_res_negate`` (the registers keep the sign). The reduction folds the fp32 results before the cast to
+    ``dst`` (the order of the hardware's fold is not modelled; sums are exact then rounded once, as tensor_reduce)."""
+    opn = "tensor_scalar_reduce"
+    dst, data = _like_dst(opn, dst, data=data)
+    if reverse0:
+        raise errors.NkiValidationError(f"{opn}: reverse0 is not supported [ISA]")
+    n0 = ops.op_name(op0, opn)
+    if _is_bitvec(n0):
+        raise errors.NkiValidationError(f"{opn}: op0 must be arithmetic; bitvec {n0} is not supported [ISA]")
+    rn = _reduce_name(reduce_op, opn)
+    parts = data.shape[0]
+    if n0 in ops.UNARY_ALU:
+        if operand0 not in (None, 0, 0.0):
+            raise errors.NkiValidationError(f"{opn}: operand0 must be None or 0 for unary op {n0} [ISA]")
+        v0 = None
+    else:
+        v0 = _scalar_or_column(operand0, parts, opn, "operand0", fp32_only=True)
+    init = None
+    if reduce_init is not None:
+        if reduce_cmd is not _RCMD.load_reduce:
+            raise errors.NkiValidationError(f"{opn}: reduce_init is only for reduce_cmd.load_reduce [ISA]")
+        init = _scalar_or_column(reduce_init, parts, opn, "reduce_init", fp32_only=True).reshape(parts)
+    if reduce_res is not None:
+        reduce_res = _column_out(reduce_res, parts, opn, "reduce_res")
+    _count(opn)
+    y = _ts_apply(_rd(data, opn), n0, v0, False, opn)
+    _wr(dst, y, opn)
+    regs = _vec_regs_update(
+        ops.reduce_arith(rn, y, (1,)), rn, reduce_cmd, init, opn, (_RCMD.reset_reduce, _RCMD.reduce, _RCMD.load_reduce)
+    )
+    if reduce_res is not None:
+        _wr(reduce_res, (-regs if reduce_res_negate else regs).reshape(parts, 1), opn)
+
+
+def activation_reduce(
+    dst: NkiTensor,
+    op: Any,
+    data: NkiTensor,
+    reduce_op: Any,
+    reduce_res: NkiTensor,
+    bias: Any = None,
+    scale: Any = 1.0,
+    name: str | None = None,
+) -> None:
+    """``nisa.activation`` with ``reduce_cmd=reset_reduce`` and ``reduce_res`` [ISA activation_reduce]: "This API is
+    equivalent to calling ``nisa.activation`` with ``reduce_cmd=nisa.reduce_cmd.reset_reduce`` and passing in
+    reduce_res"; it reduces over all free dims and shares the ScalarE registers with ``activation``. ``reduce_op``:
+    ``nl.add`` (the docstring requires it on NeuronCore-v2 and names no other op for v3; others are refused,
+    UNCONFIRMED). Counted as the ``activation`` instruction it is."""
+    opn = "activation_reduce"
+    if ops.op_name(reduce_op, opn) != "add":
+        raise errors.NkiValidationError(f"{opn}: reduce_op must be nl.add [ISA]")
+    if reduce_res is None:
+        raise errors.NkiValidationError(f"{opn}: reduce_res is required [ISA]")
+    activation(
+        dst, op, data, bias=bias, scale=scale, reduce_op=reduce_op, reduce_res=reduce_res, reduce_cmd=_RCMD.reset_reduce
+    )
+
+
+def tensor_tensor_scan(
+    dst: NkiTensor,
+    data0: NkiTensor,
+    data1: NkiTensor,
+    initial: Any,
+    op0: Any,
+    op1: Any,
+    reverse0: bool = False,
+    reverse1: bool = False,
+    name: str | None = None,
+) -> None:
+    """Scan along the free dim on VectorE [ISA tensor_tensor_scan], per partition::
+
+        result[:, 0] = op1(op0(data0[:, 0], initial), data1[:, 0])
+        result[:, i] = op1(op0(data0[:, i], result[:, i-1]), data1[:, i])
+
+    over the flattened free elements (row-major). ``reverse0`` swaps op0's operands (``data0`` becomes the rhs),
+    ``reverse1`` op1's (``data1`` becomes the lhs) [ISA]. data0/data1/dst: same partition count and elements per
+    partition, data0 and data1 not both in PSUM. ``initial``: a float32 compile-time scalar or a (P, 1) tile. Inputs are
+    read as fp32, the recurrence runs in fp32 (each op rounded to fp32, the carried state kept in fp32), and the
+    results are cast to ``dst.dtype`` on write [ISA]. Arithmetic ALU ops only."""
+    opn = "tensor_tensor_scan"
+    dst, a, b = _like_dst(opn, dst, data0=data0, data1=data1)
+    n0, n1 = ops.op_name(op0, opn), ops.op_name(op1, opn)
+    for n in (n0, n1):
+        if n not in ops.ARITH:
+            raise errors.NkiValidationError(f"{opn}: {n} is not a binary arithmetic ALU op [ISA, SHARED]")
+    parts = a.shape[0]
+    state = _scalar_or_column(initial, parts, opn, "initial").reshape(parts)
+    _count(opn)
+    x0, x1 = _rd(a, opn), _rd(b, opn)
+    out = np.empty_like(x0)
+    f0, f1 = ops.ARITH[n0], ops.ARITH[n1]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        for i in range(x0.shape[1]):
+            t = (f0(state, x0[:, i]) if reverse0 else f0(x0[:, i], state)).astype(np.float32)
+            state = (f1(x1[:, i], t) if reverse1 else f1(t, x1[:, i])).astype(np.float32)
+            out[:, i] = state
+    _wr(dst, out, opn)
+
+
+def max8(dst: NkiTensor, src: NkiTensor, name: str | None = None) -> None:
+    """The 8 largest values of each partition, descending [ISA max8]: read as fp32, written cast to ``dst.dtype``;
+    ``src`` up to 3-D with 8..16384 elements per partition, ``dst`` [P, 8]. NaN ordering is not documented
+    (here NaN sorts as the largest value, NumPy's order; UNCONFIRMED)."""
+    opn = "max8"
+    dst = _onchip(dst, opn, "dst")
+    src = _onchip(src, opn, "src")
+    n = _free(src)
+    if src.ndim > 3 or not 8 <= n <= 16384:
+        raise errors.ShapeError(f"{opn}: src must be up to 3-D with 8..16384 elements per partition, got {src.shape}")
+    if dst.shape[0] != src.shape[0] or _free(dst) != 8:
+        raise errors.ShapeError(f"{opn}: dst must be [{src.shape[0]}, 8], got {dst.shape} [ISA]")
+    _count(opn)
+    x = _rd(src, opn)
+    top = -np.sort(-x, axis=1, kind="stable")[:, :8] if not np.isnan(x).any() else np.sort(x, axis=1)[:, ::-1][:, :8]
+    _wr(dst, top, opn)
+
+
+def nc_find_index8(dst: NkiTensor, data: NkiTensor, vals: NkiTensor, name: str | None = None) -> None:
+    """Index of the first occurrence of each of the 8 ``vals`` in each partition of ``data`` [ISA nc_find_index8].
+    ``data``: up to 3-D, 8..16384 elements per partition; ``vals``: 8 elements per partition; ``dst`` [P, 8] uint16 or
+    uint32. A value not present gives the all-ones sentinel (0xFFFF / 0xFFFFFFFF). Repeated values in ``vals`` are
+    paired with their matching positions in ascending order across the output columns (the tie-break the
+    ``nc_match_replace8`` docstring attributes to nc_find_index8 [ISA]): the k-th repeat gets the k-th occurrence
+    (sentinel if there are fewer). Values compare as fp32."""
+    opn = "nc_find_index8"
+    dst = _onchip(dst, opn, "dst")
+    data = _onchip(data, opn, "data")
+    vals = _onchip(vals, opn, "vals")
+    parts = data.shape[0]
+    if data.ndim > 3 or not 8 <= _free(data) <= 16384:
+        raise errors.ShapeError(f"{opn}: data must be up to 3-D with 8..16384 elements per partition, got {data.shape}")
+    if vals.shape[0] != parts or _free(vals) != 8 or dst.shape[0] != parts or _free(dst) != 8:
+        raise errors.ShapeError(f"{opn}: vals and dst must be [{parts}, 8] (got {vals.shape}, {dst.shape}) [ISA]")
+    if dst.dtype not in (dt.uint16, dt.uint32):
+        raise errors.DtypeError(f"{opn}: dst must be uint16 or uint32, got {dst.dtype} [ISA]")
+    _count(opn)
+    x, v = _rd(data, opn), _rd(vals, opn)
+    sentinel = 0xFFFF if dst.dtype == dt.uint16 else 0xFFFFFFFF
+    out = np.full((parts, 8), sentinel, np.int64)
+    for p in range(parts):
+        seen: dict[float, int] = {}
+        for j in range(8):
+            hits = np.flatnonzero(x[p] == v[p, j])
+            k = seen.get(float(v[p, j]), 0)
+            seen[float(v[p, j])] = k + 1
+            if k < hits.size:
+                out[p, j] = hits[k]
+    _wr(dst, out, opn)
+
+
+def _start_partition(t: NkiTensor) -> int:
+    return (t.offset // t.partition_stride()) if t.onchip else 0
+
+
+def nc_stream_shuffle(dst: NkiTensor, src: NkiTensor, shuffle_mask: Any, name: str | None = None) -> None:
+    """Cross-partition move within 32-partition quadrants on VectorE [ISA nc_stream_shuffle]: output partition ``i``
+    of each quadrant copies input partition ``shuffle_mask[i]`` of the same quadrant (partitions counted from each
+    tile's access start); ``shuffle_mask`` has 32 ints, 255 leaves that output partition unmodified; the same mask
+    applies to every quadrant. ``dst`` and ``src`` in SBUF or PSUM, same dtype, same elements per partition; in place
+    allowed (all of ``src`` is read before ``dst`` is written). With ``num_active = ceil(max(src_parts, dst_parts) /
+    32) * 32``, both access start partitions must be 0 (96/128 active), 0/64 (64) or 0/32/64/96 (32) [ISA]. A mask
+    entry naming a partition outside ``src``'s access is an error (what hardware reads there is undefined). Bits are
+    copied exactly."""
+    opn = "nc_stream_shuffle"
+    dst = _onchip(dst, opn, "dst")
+    src = _onchip(src, opn, "src")
+    mask = [int(m) for m in shuffle_mask]
+    if len(mask) != 32 or any(not (0 <= m < 32 or m == 255) for m in mask):
+        raise errors.NkiValidationError(f"{opn}: shuffle_mask must hold 32 entries in [0, 32) or 255, got {mask}")
+    if dst.dtype != src.dtype:
+        raise errors.DtypeError(f"{opn}: dst dtype {dst.dtype} must equal src dtype {src.dtype} [ISA]")
+    if _free(dst) != _free(src):
+        raise errors.ShapeError(f"{opn}: dst {dst.shape} and src {src.shape} differ in elements per partition [ISA]")
+    sp, dp = src.shape[0], dst.shape[0]
+    active = -(-max(sp, dp) // 32) * 32
+    legal = {96: (0,), 128: (0,), 64: (0, 64), 32: (0, 32, 64, 96)}[active]
+    for t, nm in ((src, "src"), (dst, "dst")):
+        if _start_partition(t) not in legal:
+            raise errors.NkiValidationError(
+                f"{opn}: {nm} starts at partition {_start_partition(t)}; with {active} active partitions it must start "
+                f"at {' or '.join(map(str, legal))} [ISA]"
+            )
+    x = _rd_raw(src, opn).copy()
+    cur = _rd_raw(dst, opn).copy()
+    for q in range(active // 32):
+        for i, m in enumerate(mask):
+            o = q * 32 + i
+            if m == 255 or o >= dp:
+                continue
+            s = q * 32 + m
+            if s >= sp:
+                raise errors.NkiValidationError(
+                    f"{opn}: output partition {o} reads input partition {s}, outside src's {sp} partitions"
+                )
+            cur[o] = x[s]
+    _count(opn)
+    dst.write_raw(cur.reshape(dst.shape), opn)
+
+
+def local_gather(
+    dst: NkiTensor,
+    src_buffer: NkiTensor,
+    index: NkiTensor,
+    num_elem_per_idx: int = 1,
+    num_valid_indices: int | None = None,
+    name: str | None = None,
+) -> None:
+    """Gather within SBUF partitions on GpSimd [ISA local_gather]. Each of the 8 GpSimd cores serves 16 contiguous
+    partitions; core ``c`` flattens its 16-partition slice of ``index`` partition dimension first (column-major) into
+    ``indices_1d``, keeps the first ``num_valid_indices`` (default: all of its slice), and every partition ``p`` of the
+    core gathers from its own free elements: ``dst[p, j*n + e] = src_buffer[p, indices_1d[j] + e]`` for
+    ``e < n = num_elem_per_idx`` — the NumPy statement of the docs' example [L-ISA-LG] (whose hardware indices are
+    element offsets, ``index * num_elem_per_idx``). No cast:
+    dst dtype = src dtype; ``index`` uint16; ``src_buffer`` and ``index`` share a partition count that is a multiple of
+    16; ``n`` in {1, 2, 4, 8, 16, 32}; at most 4096 indices per core; SBUF operands. Out-of-bounds indices are
+    "undefined" [ISA]: an error here."""
+    opn = "local_gather"
+    sb = (MemoryRegion.sbuf,)
+    dst = _onchip(dst, opn, "dst", sb)
+    src = _onchip(src_buffer, opn, "src_buffer", sb)
+    idx = _onchip(index, opn, "index", sb)
+    parts = src.shape[0]
+    if idx.shape[0] != parts or parts % 16:
+        raise errors.ShapeError(f"{opn}: src_buffer and index need the same partition count, a multiple of 16 [ISA]")
+    if idx.dtype != dt.uint16:
+        raise errors.DtypeError(f"{opn}: index must be uint16, got {idx.dtype} [ISA]")
+    if dst.dtype != src.dtype:
+        raise errors.DtypeError(f"{opn}: no cast: dst {dst.dtype} must equal src_buffer {src.dtype} [ISA]")
+    n = int(num_elem_per_idx)
+    if n not in (1, 2, 4, 8, 16, 32):
+        raise errors.NkiValidationError(f"{opn}: num_elem_per_idx must be 1, 2, 4, 8, 16 or 32, got {n} [ISA]")
+    per_core = 16 * _free(idx)
+    valid = per_core if num_valid_indices is None else int(num_valid_indices)
+    if not 0 < valid <= min(per_core, 4096):
+        raise errors.NkiValidationError(f"{opn}: num_valid_indices {valid} must be in [1, {min(per_core, 4096)}] [ISA]")
+    if dst.shape[0] != parts or _free(dst) != valid * n:
+        raise errors.ShapeError(f"{opn}: dst must be [{parts}, {valid * n}] elements, got {dst.shape}")
+    x = _rd_raw(src, opn)
+    ind = _rd_raw(idx, opn).astype(np.int64)
+    out = np.empty((parts, valid * n), x.dtype)
+    for c in range(parts // 16):
+        rows = slice(16 * c, 16 * c + 16)
+        flat = ind[rows].flatten(order="F")[:valid]
+        cols = (flat[:, None] + np.arange(n)[None, :]).reshape(-1)
+        if cols.size and (cols.min() < 0 or cols.max() >= x.shape[1]):
+            raise errors.OutOfBoundsError(f"{opn}: an index of core {c} reads past the {x.shape[1]} source elements")
+        out[rows] = x[rows][:, cols]
+    _count(opn)
+    dst.write_raw(out.reshape(dst.shape), opn)
+
+
+_DMA_T_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+
+
+def dma_transpose(
+    dst: NkiTensor,
+    src: NkiTensor,
+    axes: Any = None,
+    priority: Any = None,
+    dge_mode: dge_mode = dge_mode.unknown,
+    oob_mode: oob_mode = oob_mode.error,
+    name: str | None = None,
+) -> None:
+    """Transpose on the DMA engines [ISA dma_transpose]: ``dst = src.transpose(axes)`` with the permutation fixed by
+    the rank, 2-D ``(1, 0)``, 3-D ``(2, 1, 0)``, 4-D ``(3, 1, 2, 0)`` (``axes`` may name it, nothing else);
+    ``dst.shape``
+    must equal the permuted ``src.shape`` including rank [ISA, MIG]. dst in SBUF, src in HBM or SBUF, equal 2-byte
+    dtypes (so no fp8); ``src.shape[-1] <= 128``. ``dge_mode.hwdge`` adds: 2-D ``src.shape[0] == 16``, 3-/4-D
+    ``src.shape[0]`` in {1, 2, 4, 8, 16} with ``src.shape[0] * src.shape[-2] % 16 == 0``; it cannot take an indirect
+    src. Indirect src (an HBM ``.ap(vector_offset=...)`` view, SW-DGE): rows gathered by the indices, then transposed;
+    ``oob_mode.skip`` leaves the destination of out-of-bounds rows untouched (valid only with an indirect src) [ISA].
+    The further indirect-mode constraints (src rows a multiple of 16, 16..128 indices) are not checked. Counted as one
+    DMA instruction moving the source bytes."""
+    opn = "dma_transpose"
+    dst = _onchip(dst, opn, "dst", (MemoryRegion.sbuf,))
+    src = _tensor(src, opn, "src")
+    if src.buffer is MemoryRegion.psum:
+        raise errors.MemorySpaceError(f"{opn}: src must be in HBM or SBUF, is in PSUM [ISA]")
+    if src.dtype != dst.dtype or dt.itemsize(src.dtype) != 2:
+        raise errors.DtypeError(f"{opn}: src and dst must share a 2-byte dtype (got {src.dtype}, {dst.dtype}) [ISA]")
+    perm = _DMA_T_AXES.get(src.ndim)
+    if perm is None or (axes is not None and tuple(axes) != perm):
+        raise errors.NkiValidationError(f"{opn}: axes must be {perm} for a {src.ndim}-D src, got {axes} [ISA]")
+    want = tuple(src.shape[a] for a in perm)
+    if dst.shape != want:
+        raise errors.ShapeError(f"{opn}: dst shape {dst.shape} must be the permuted src shape {want} [ISA, MIG]")
+    if src.shape[-1] > 128:
+        raise errors.ShapeError(f"{opn}: src.shape[-1] = {src.shape[-1]} exceeds 128 [ISA]")
+    indirect = src.indirect is not None and src.indirect.kind == "vector"
+    if dge_mode is _DGE.hwdge:
+        if indirect:
+            raise errors.NkiValidationError(f"{opn}: an indirect src needs swdge, not hwdge [ISA]")
+        s0 = src.shape[0]
+        ok = s0 == 16 if src.ndim == 2 else (s0 in (1, 2, 4, 8, 16) and (s0 * src.shape[-2]) % 16 == 0)
+        if not ok:
+            raise errors.ShapeError(f"{opn}: hwdge transpose constraints on src.shape {src.shape} not met [ISA]")
+    if oob_mode is _OOB.skip and not indirect:
+        raise errors.NkiValidationError(f"{opn}: oob_mode.skip is only valid with an indirect src [ISA]")
+    cur = _rd_raw(dst, opn).reshape(dst.shape).copy()
+    if indirect:
+        idx, valid, msg = src.element_index()
+        if valid is not None and oob_mode is not _OOB.skip:
+            raise errors.OutOfBoundsError(f"{opn}: out-of-bounds {msg} on 'src'")
+        vals = src.storage.typed(src.dtype)[np.where(valid, idx, 0) if valid is not None else idx]
+        moved = vals.transpose(perm)
+        if valid is not None:
+            moved = np.where(valid.transpose(perm), moved, cur)
+        n = int(valid.sum()) if valid is not None else vals.size
+    else:
+        moved = src.read_raw(opn).transpose(perm)
+        n = src.size
+    dst.write_raw(moved, opn)
+    c = ctx().counters
+    c.dma_instructions += 1
+    c.count(opn)
+    if is_hbm(src.buffer):
+        c.dma_hbm_to_sbuf_bytes += n * dt.itemsize(src.dtype)
+    else:
+        c.dma_sbuf_to_sbuf_bytes += n * dt.itemsize(src.dtype)

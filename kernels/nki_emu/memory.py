@@ -18,6 +18,7 @@ starts on a bank boundary [MIG]; that tiles never share a bank is our UNCONFIRME
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -74,6 +75,25 @@ class Counters:
     ``transpose_instructions`` counts ``nc_transpose``. ``instructions`` maps every executed ISA
     instruction name to its count. ``sbuf_bytes_per_partition`` / ``psum_bytes_per_partition`` are the
     site-based allocation totals (see the module docstring; PSUM in whole banks).
+
+    DMA cost (model and sources: ``cost``): ``dma_descriptors`` counts the runs contiguous on both sides (one
+    descriptor each), ``dma_src_runs`` / ``dma_dst_runs`` the runs of each side alone, ``dma_run_bytes`` their bytes
+    (HBM side), ``dma_run_hist`` descriptors by size (key: the power of two at or below the run's bytes),
+    ``dma_run_bytes_min`` the smallest run (None before any DMA), ``dma_mean_run_bytes`` the mean;
+    ``dma_transfer_ns`` sums each DMA's busiest-engine time, ``dma_time_ns`` adds the fixed per-DMA latency.
+
+    Instructions emitted vs executed [CF, LOOPS]: ``instructions`` counts what ran (every iteration of every loop);
+    ``emitted`` / ``emitted_instructions`` count the instructions of the compiled program, which is what specialization
+    records: a Python loop (``range``, ``nl.static_range`` / ``affine_range`` / ``sequential_range``, all Python
+    ``range`` since NKI 0.7 [LOOPS]) emits its body once per iteration; ``nl.fori_loop`` emits its body once, plus one
+    ``fori_loop`` entry for the loop itself, whatever its trip count (``unroll=True``: the body times the trip count,
+    no loop entry) [CF]. ``executed_instructions`` is the sum of ``instructions`` (its ``fori_loop`` entry counts
+    loops entered).
+
+    LNC: a launch at LNC=2 runs two programs, one per physical core [LNC]. The counters of a call are the
+    totals over its programs (sums; the SBUF/PSUM figures are the largest program's, each physical core having
+    its own SBUF and PSUM [LNC, TRN2]); ``programs[p]`` holds program ``p``'s own counters (at LNC=1 the one
+    program's, equal to the totals), ``num_programs`` the LNC degree of the launch.
     """
 
     dma_hbm_to_sbuf_bytes: int = 0
@@ -87,20 +107,92 @@ class Counters:
     instructions: dict[str, int] = dataclasses.field(default_factory=dict)
     sbuf_bytes_per_partition: int = 0
     psum_bytes_per_partition: int = 0
+    emitted_instructions: int = 0
+    emitted: dict[str, int] = dataclasses.field(default_factory=dict)
+    dma_descriptors: int = 0
+    dma_src_runs: int = 0
+    dma_dst_runs: int = 0
+    dma_run_bytes: int = 0
+    dma_run_hist: dict[int, int] = dataclasses.field(default_factory=dict)
+    dma_run_bytes_min: int | None = None
+    dma_transfer_ns: float = 0.0
+    dma_time_ns: float = 0.0
+    num_programs: int = 1
+    programs: list[Counters] = dataclasses.field(default_factory=list)
 
     @property
     def dma_bytes(self) -> int:
         """HBM traffic: HBM->SBUF + SBUF->HBM + HBM->HBM bytes."""
         return self.dma_hbm_to_sbuf_bytes + self.dma_sbuf_to_hbm_bytes + self.dma_hbm_to_hbm_bytes
 
+    @property
+    def dma_mean_run_bytes(self) -> float:
+        """Mean bytes per DMA descriptor (0 without DMA)."""
+        return self.dma_run_bytes / self.dma_descriptors if self.dma_descriptors else 0.0
+
+    @property
+    def executed_instructions(self) -> int:
+        """Instructions executed (every iteration counted)."""
+        return sum(self.instructions.values())
+
     def count(self, op: str) -> None:
+        """One executed instruction ``op``; also recorded as emitted by the running program (``KernelContext.emit``)."""
         self.instructions[op] = self.instructions.get(op, 0) + 1
+        ctx().emit(op)
+
+    @classmethod
+    def total(cls, programs: list[Counters]) -> Counters:
+        """The launch's counters from its programs' (each kept, as a copy, in ``programs``)."""
+        out = cls(num_programs=len(programs), programs=[_detached(c) for c in programs])
+        for f in dataclasses.fields(cls):
+            if f.name in ("num_programs", "programs"):
+                continue
+            vals = [getattr(c, f.name) for c in programs]
+            if f.name in _PER_CORE_MAX:
+                setattr(out, f.name, max(vals))
+            elif f.name == "dma_run_bytes_min":
+                present = [v for v in vals if v is not None]
+                setattr(out, f.name, min(present) if present else None)
+            elif isinstance(vals[0], dict):
+                merged: dict = {}
+                for v in vals:
+                    _merge_counts(merged, v)
+                setattr(out, f.name, merged)
+            else:
+                setattr(out, f.name, sum(vals))
+        return out
+
+
+# Per-physical-core capacities: the launch reports the largest program's, never a sum [LNC].
+_PER_CORE_MAX = frozenset({"sbuf_bytes_per_partition", "psum_bytes_per_partition"})
+
+
+def _merge_counts(into: dict, other: dict) -> None:
+    """Add ``other``'s counts into ``into``; nested dicts (histograms) merge key by key."""
+    for k, v in other.items():
+        if isinstance(v, dict):
+            _merge_counts(into.setdefault(k, {}), v)
+        else:
+            into[k] = into.get(k, 0) + v
+
+
+def _detached(c: Counters) -> Counters:
+    """A copy of one program's counters without nested per-program lists."""
+    d = copy.deepcopy(c)
+    d.programs = []
+    d.num_programs = 1
+    return d
 
 
 class KernelContext:
-    """State of one kernel call: counters, allocation sites, engine accumulator registers."""
+    """State of one program of a kernel call (one physical core): counters, allocation sites, engine accumulator
+    registers. At LNC=2 each program has its own context, so SBUF/PSUM accounting, registers and counters are private
+    per program [LNC]; ``launch`` is the state the programs share (shared-HBM outputs, cross-core rendezvous), None
+    outside a launch."""
 
-    def __init__(self, check_capacity: bool = True) -> None:
+    def __init__(
+        self, check_capacity: bool = True, program_id: int = 0, num_programs: int = 1, grid_ndim: int = 0
+    ) -> None:
         self.counters = Counters()
         self.check_capacity = check_capacity
         self.sbuf_sites: dict[tuple, int] = {}
@@ -110,12 +202,67 @@ class KernelContext:
         self.act_regs = np.full(PMAX, np.nan, np.float32)
         self.vec_regs = np.full(PMAX, np.nan, np.float32)
         self.runner_code: Any = None
+        self.program_id = program_id
+        self.num_programs = num_programs
+        self.grid_ndim = grid_ndim
+        self.launch: Any = None
+        # shared_hbm allocations seen per site in this program (their occurrence number pairs them across programs)
+        self.hbm_site_counts: dict[tuple, int] = {}
+        # compiled loops being traced, innermost last (emission goes to the innermost loop's trace)
+        self.loop_stack: list[LoopFrame] = []
+        # dry: tracing a compiled loop body that runs zero times (see ``traced_only``): nothing is written
+        self.dry = False
 
-    def _site(self) -> tuple:
+    # ---- emitted instructions [CF, LOOPS] ----
+    def emit(self, op: str) -> None:
+        """Record one emitted instruction: in the innermost compiled loop's trace (with its call site, so iterations
+        can be compared), else straight into the counters."""
+        if self.loop_stack:
+            self.loop_stack[-1].trace.append((op, self._site()))
+        else:
+            self.counters.emitted_instructions += 1
+            self.counters.emitted[op] = self.counters.emitted.get(op, 0) + 1
+
+    def emit_loop(self, entry: tuple) -> None:
+        """Record a finished compiled loop (``("fori_loop", site, body, unrolled_trips)``)."""
+        if self.loop_stack:
+            self.loop_stack[-1].trace.append(entry)
+            return
+        counts: dict[str, int] = {}
+        _flatten(entry, counts, 1)
+        for op, n in counts.items():
+            self.counters.emitted[op] = self.counters.emitted.get(op, 0) + n
+            self.counters.emitted_instructions += n
+
+    def traced_only(self) -> KernelContext:
+        """A context that traces without executing: a compiled loop whose trip count is 0 at run time still has its
+        body in the compiled program (specialization traces it once [CF]), so the emulator runs the body once in
+        this context to learn its instructions. Writes (tensors, HBM write-back, registers, PSUM matmul marks) are
+        dropped, a dynamic index out of bounds reads index 0, an unset register reads 0, counters are its own;
+        SBUF/PSUM allocation sites, the loop stack and the launch are shared with the parent."""
+        d = KernelContext.__new__(KernelContext)
+        d.__dict__.update(self.__dict__)
+        d.counters = Counters()
+        d.act_regs = self.act_regs.copy()
+        d.vec_regs = self.vec_regs.copy()
+        d.dry = True
+        return d
+
+    def sync_allocations(self) -> None:
+        """Refresh the allocation totals after a traced-only body allocated into the shared site tables."""
+        self.counters.sbuf_bytes_per_partition = sum(self.sbuf_sites.values())
+        self.counters.psum_bytes_per_partition = sum(self.psum_sites.values())
+
+    def site(self) -> tuple:
+        """The chain of kernel-side (file, line) frames that led here, innermost first (emulator frames skipped)."""
+        return self._site()
+
+    def _site(self, depth: int = 2) -> tuple:
         frames = []
-        f = sys._getframe(2)
+        stops = self.runner_code if isinstance(self.runner_code, tuple) else (self.runner_code,)
+        f = sys._getframe(depth)
         while f is not None:
-            if f.f_code is self.runner_code:
+            if f.f_code in stops:
                 break
             fn = os.path.abspath(f.f_code.co_filename)
             if not fn.startswith(_EMU_DIR):
@@ -159,6 +306,30 @@ def set_context(c: KernelContext | None) -> KernelContext | None:
     prev = _current
     _current = c
     return prev
+
+
+class LoopFrame:
+    """One compiled loop being run: the instruction trace of the current iteration and the body (the first
+    iteration's trace) every later iteration must repeat [CF]."""
+
+    def __init__(self, site: tuple) -> None:
+        self.site = site
+        self.trace: list[tuple] = []
+        self.body: tuple | None = None
+
+
+def _flatten(entry: tuple, into: dict[str, int], mult: int) -> None:
+    """Add the emitted instructions of one trace entry (an ``(op, site)`` pair or a loop entry) ``mult`` times."""
+    if len(entry) == 4 and entry[0] == "fori_loop":
+        _, _, body, unrolled = entry
+        if unrolled is None:
+            into["fori_loop"] = into.get("fori_loop", 0) + mult
+        else:
+            mult *= unrolled
+        for e in body:
+            _flatten(e, into, mult)
+        return
+    into[entry[0]] = into.get(entry[0], 0) + mult
 
 
 class Storage:
@@ -214,6 +385,8 @@ class VirtualRegister:
     def read(self, what: str = "read") -> int:
         """The register's value; `what` names the reader in the error if it was never written."""
         if self._value is None:
+            if ctx().dry:
+                return 0  # tracing a body that never runs: the value is irrelevant
             raise errors.RegisterError(
                 f"{what}: VirtualRegister read before it was written (register_alloc() without init)"
             )
@@ -223,6 +396,8 @@ class VirtualRegister:
         """Set the value (wrapped to 32 bits); a fori_loop induction register refuses."""
         if self.frozen:
             raise errors.RegisterError(f"{what}: the fori_loop induction register is read-only [NL fori_loop]")
+        if ctx().dry:
+            return
         self._value = _wrap32(value)
 
     def __bool__(self) -> bool:
@@ -344,6 +519,8 @@ class NkiTensor:
         n_storage = self.storage.size_in(self.dtype)
         if d.kind == "scalar":
             v = scalar_value(d.source, "indirect access")
+            if ctx().dry and not 0 <= v < d.bound:
+                v = 0  # tracing only (see KernelContext.traced_only)
             idx = self._static_index() + v * d.mult
             ok_index = 0 <= v < d.bound
             if ok_index and idx.size and (idx.min() < 0 or idx.max() >= n_storage):
@@ -361,6 +538,8 @@ class NkiTensor:
         base = self._static_index(zero_dim=0)
         shp = (rows,) + (1,) * (self.ndim - 1)
         idx = base + (vals * d.mult).reshape(shp)
+        if ctx().dry:  # tracing only: any index will do, the data moved is dropped
+            vals = np.where((vals >= 0) & (vals < d.bound), vals, 0)
         row_ok = (vals >= 0) & (vals < d.bound)
         valid = np.broadcast_to(row_ok.reshape(shp), self.shape) & (idx >= 0) & (idx < n_storage)
         if valid.all():
@@ -383,6 +562,8 @@ class NkiTensor:
             return self.offset, None
         d = self.indirect
         v = scalar_value(d.source, "indirect access")
+        if ctx().dry and not 0 <= v < d.bound:
+            v = 0  # tracing only (see KernelContext.traced_only)
         msg = None if 0 <= v < d.bound else f"scalar_offset value {v} (valid range [0, {d.bound}) on dim {d.dim})"
         return self.offset + v * d.mult, msg
 
@@ -419,7 +600,10 @@ class NkiTensor:
         return self.storage.typed(self.dtype)[idx]
 
     def write_raw(self, values: np.ndarray, what: str = "write") -> None:
-        """Store values already in the view's dtype (no cast) and mark an HBM buffer written."""
+        """Store values already in the view's dtype (no cast) and mark an HBM buffer written (nothing while tracing a
+        compiled loop body that does not run, ``KernelContext.traced_only``)."""
+        if ctx().dry:
+            return
         if self.indirect is None or self.indirect.kind == "scalar":
             self._np(what)[...] = np.asarray(values).reshape(self.shape)
         else:
@@ -747,14 +931,24 @@ class NkiTensor:
 def _check_index_tensor(t: Any, what: str) -> None:
     if not isinstance(t, NkiTensor) or t.buffer is not MemoryRegion.sbuf:
         raise errors.NkiValidationError(f"{what}: vector_offset must be an SBUF tensor of shape (P, 1) [APS]")
-    if t.ndim != 2 or t.shape[1] != 1:
-        raise errors.ShapeError(f"{what}: vector_offset must have shape (P, 1), got {t.shape}")
+    # issue 28 (nki-library peer suite): ``.ap(vector_offset=...)`` takes "an SBUF tensor" of offsets [APS], one per
+    # partition; nki-library passes a (P, 1, 1) view [L-RTK]. Only ``vector_select`` documents the shape (P, 1) [NL].
+    per_partition = t.ndim >= 2 and math.prod(t.shape[1:]) == 1
+    if not (per_partition if what == "ap" else (t.ndim == 2 and t.shape[1] == 1)):
+        raise errors.ShapeError(
+            f"{what}: vector_offset must hold one index per partition ({'(P, 1, ...)' if what == 'ap' else '(P, 1)'}), "
+            f"got {t.shape}"
+        )
     if not dt.is_int(t.dtype):
         raise errors.NkiValidationError(f"{what}: vector_offset dtype must be an integer type, got {t.dtype}")
 
 
 def allocate(shape: Any, dtype: Any, buffer: Any, name: str = "", fill: float | None = None) -> NkiTensor:
-    """``nl.ndarray``: a fresh buffer, poisoned with NaN (floats) or 4 (ints) unless ``fill`` is given [SIM]."""
+    """``nl.ndarray``: a fresh buffer, poisoned with NaN (floats) or 4 (ints) unless ``fill`` is given [SIM].
+
+    Inside an LNC=2 launch a ``shared_hbm`` allocation is one tensor for both programs: the programs run one after
+    the other and program 1's n-th allocation at a source site gets the tensor program 0's n-th allocation there
+    created (and vice versa), unpoisoned a second time (see ``runtime.Launch``) [LNC]."""
     if isinstance(shape, (int, np.integer)):
         shape = (int(shape),)
     shape = tuple(int(s) for s in shape)
@@ -766,17 +960,30 @@ def allocate(shape: Any, dtype: Any, buffer: Any, name: str = "", fill: float | 
         raise errors.PartitionLimitError(
             f"nl.ndarray: {region.value} tensor '{name}' has partition dim {shape[0]} > {PMAX} [TILING]"
         )
-    st = Storage(shape, dtype, region, name or f"{region.value}_tensor")
-    if not is_hbm(region):
-        ctx().record_alloc(region, st.part_bytes)
-    value = dt.poison_value(dtype) if fill is None else fill
-    st.typed(dtype)[:] = dt.cast(np.asarray(value), dtype)
+
+    def fresh() -> Storage:
+        st = Storage(shape, dtype, region, name or f"{region.value}_tensor")
+        value = dt.poison_value(dtype) if fill is None else fill
+        st.typed(dtype)[:] = dt.cast(np.asarray(value), dtype)
+        return st
+
+    kctx = ctx()
+    if region is MemoryRegion.shared_hbm and kctx.launch is not None:
+        st = kctx.launch.shared_hbm(kctx, shape, dtype, fresh)
+    else:
+        if not is_hbm(region):
+            kctx.record_alloc(region, math.prod(shape[1:]) * dt.itemsize(dtype))
+        st = fresh()
+    return NkiTensor(st, dtype, shape, _row_major(shape), 0)
+
+
+def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides = []
     acc = 1
     for k in reversed(shape):
         strides.insert(0, acc)
         acc *= k
-    return NkiTensor(st, dtype, shape, tuple(strides), 0)
+    return tuple(strides)
 
 
 def from_numpy(arr: np.ndarray, buffer: MemoryRegion = MemoryRegion.shared_hbm, name: str = "") -> NkiTensor:
@@ -800,4 +1007,6 @@ def to_numpy(t: NkiTensor) -> np.ndarray:
 
 
 def warn(msg: str) -> None:
+    if ctx().dry:  # a traced-only body's data is not real (KernelContext.traced_only)
+        return
     warnings.warn(msg, stacklevel=3)
