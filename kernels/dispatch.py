@@ -54,13 +54,17 @@ def graph_kernels(device: torch.device) -> bool:
 
 
 def kernel_runner(device: torch.device) -> Runner | None:
-    """How a ``trn`` op runs its NKI kernel: the emulator's ``simulate`` under ``emulate``, else None (the torch
-    path; on a Neuron device the kernels are the graph ops of kernels/nki_ops.py instead)."""
+    """How a ``trn`` op runs its NKI kernel: under ``emulate``, the emulator's ``simulate`` launching it at the
+    deployment's LNC degree as the device would (``nki_ops.deployment_lnc``: NEURON_LOGICAL_NC_CONFIG, else 2); else
+    None (the torch path; on a Neuron device the kernels are the graph ops of kernels/nki_ops.py instead)."""
     if envs.kernels() != "emulate":
         return None
-    from vllm_trn_plugin.kernels.nki_shim import simulate
+    from vllm_trn_plugin.kernels.nki_shim import USING_EMULATOR, simulate
 
-    return simulate
+    lnc = nki_ops.deployment_lnc()
+    if USING_EMULATOR:  # the emulator's stand-in for neuronx-cc's --lnc
+        return lambda kernel: simulate(kernel[lnc], compiler_lnc=lnc)
+    return lambda kernel: simulate(kernel[lnc])
 
 
 def _kernel_wrapper(op: str, wrapper: str) -> Callable[..., torch.Tensor]:

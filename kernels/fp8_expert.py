@@ -74,9 +74,45 @@ def row_linear(
     return y if bias is None else y + bias.float()
 
 
+TILE = 128  # the kernel's tile edge: SBUF partitions, and rows per matmul tile
+
+
+def to_kernel_layout(w: torch.Tensor) -> torch.Tensor:
+    """An expert stack [E, R, K] in the FP8 kernel's layout, "K-major tiles" [E, 128, R/128, K/128, 128]:
+    t[e, p, rt, kt, j] = w[e, rt*128 + j, kt*128 + p] (a copy; R and K multiples of 128).
+
+    The kernel puts the contraction index k on the 128 partitions: partition p needs w[e, r, kt*128 + p] for every
+    row r of its tiles. Row-major, that is one byte every K bytes (a transposing, 1-byte-granular DMA); here it is
+    one contiguous run per partition, R_tiles * K bytes for any range of R_tiles consecutive row tiles
+    (kernels/fp8_expert_nki.py)."""
+    E, R, K = w.shape
+    if R % TILE or K % TILE:
+        raise ValueError(f"to_kernel_layout: [{E}, {R}, {K}] is not made of {TILE} x {TILE} tiles")
+    return w.reshape(E, R // TILE, TILE, K // TILE, TILE).permute(0, 4, 1, 3, 2).contiguous()
+
+
+def from_kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """`to_kernel_layout`'s inverse, for a stack [E, 128, R/128, K/128, 128] or one expert [128, R/128, K/128, 128]:
+    the row-major [E, R, K] / [R, K] (a copy; exact, the same bytes moved)."""
+    lead = t.shape[:-4]
+    p, rt, kt, j = t.shape[-4:]
+    n = len(lead)
+    dims = tuple(range(n)) + (n + 1, n + 3, n + 2, n)
+    return t.permute(dims).reshape(*lead, rt * j, kt * p)
+
+
+def in_kernel_layout(w: torch.Tensor, stack: bool = True) -> bool:
+    """Whether an expert stack (or one expert's matrix, `stack=False`) is held in `to_kernel_layout`'s layout."""
+    return w.dim() == (5 if stack else 4)
+
+
 class ExpertWeights(NamedTuple):
     """A layer's routed experts: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], FP8 (or bf16, the
-    VLLM_TRN_ALLOW_BF16 opt-in), each with fp32 row scales s13 [E, 2I], s2 [E, H] and biases b13, b2 alike."""
+    VLLM_TRN_ALLOW_BF16 opt-in), each with fp32 row scales s13 [E, 2I], s2 [E, H] and biases b13, b2 alike.
+
+    An FP8 stack may be held in the kernel's layout (`to_kernel_layout`: w13 [E, 128, 2I/128, H/128, 128], w2
+    [E, 128, H/128, I/128, 128]), as the loader stores them (model_executors/mxfp4_fp8.py); scales and biases stay
+    [E, rows]. Every function here reads either layout, with the same result bit for bit."""
 
     w13: torch.Tensor
     s13: torch.Tensor
@@ -86,7 +122,7 @@ class ExpertWeights(NamedTuple):
     b2: torch.Tensor
 
     def expert(self, e: int) -> ExpertWeights:
-        """Expert e's matrices, scales and biases (the leading dimension dropped)."""
+        """Expert e's matrices, scales and biases (the leading dimension dropped; the layout kept)."""
         return ExpertWeights(*(t[e] for t in self))
 
     @property
@@ -94,10 +130,33 @@ class ExpertWeights(NamedTuple):
         """Both matrices in FP8 (what the NKI kernel takes)."""
         return self.w13.dtype == FP8_DTYPE and self.w2.dtype == FP8_DTYPE
 
+    @property
+    def kernel_layout(self) -> bool:
+        """Both stacks held in `to_kernel_layout`'s layout."""
+        return in_kernel_layout(self.w13) and in_kernel_layout(self.w2)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    def to_kernel_layout(self) -> ExpertWeights:
+        """These experts with both matrices in the kernel's layout (copies; already so: unchanged)."""
+        if self.kernel_layout:
+            return self
+        return self._replace(w13=to_kernel_layout(self.w13), w2=to_kernel_layout(self.w2))
+
+    def row_major(self) -> ExpertWeights:
+        """These experts (a stack, or one expert) with both matrices row-major (copies where they were tiled)."""
+        stack = self.s13.dim() == 2
+        w13, w2 = (from_kernel_layout(w) if in_kernel_layout(w, stack) else w for w in (self.w13, self.w2))
+        return self._replace(w13=w13, w2=w2)
+
 
 def fp8_expert(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
-    """One expert (`w` without the expert dimension) on every row of x [T, H]: y float32 [T, H] =
-    down(SiLU(gate(x)) * up(x)), each projection a `row_linear` (every product FP8 for FP8 weights)."""
+    """One expert (`w` without the expert dimension, either layout) on every row of x [T, H]: y float32 [T, H] =
+    down(SiLU(gate(x)) * up(x)), each projection a `row_linear` (every product FP8 for FP8 weights). A tiled
+    matrix is made row-major first (an exact copy), so both layouts give the same bits."""
+    w = w.row_major()
     gate, up = row_linear(x, w.w13, w.s13, w.b13).chunk(2, dim=-1)
     return row_linear(torch.nn.functional.silu(gate) * up, w.w2, w.s2, w.b2)
 

@@ -1,5 +1,6 @@
-"""FP8 x FP8 routed-expert MLP as an NKI 0.6 kernel for Trainium2 (MLA-Trinity's experts): the kernel
-`fp8_experts_kernel`, its host wrapper `fp8_experts_nki` and its cost formula `fp8_experts_cost`.
+"""FP8 x FP8 routed-expert MLP as an NKI kernel for Trainium2 (MLA-Trinity's experts; NKI 0.7/0.8: a compiled
+`nl.fori_loop` over the routed experts, LNC=1 or 2): the kernel `fp8_experts_kernel`, its host wrapper `fp8_experts_nki`
+and its cost formula `fp8_experts_cost`.
 
 The op (fp8_expert.py: `fp8_expert` for one expert, `fp8_experts` for the routed sum, both the definition
 and the torch path; every product FP8, fp32 accumulation):
@@ -14,7 +15,7 @@ per-token quantization to Trainium2 E4M3 (one scale per token, computed here ins
     a = max(max_k |v[t, k]|, 2^-100)     inv = 240 * RN(1 / a)     s_tok = a * RN(1 / 240)
     q[t, k] = RNE_e4m3(clamp(v[t, k] * inv, -240, 240))
 
-The ISA has no divide (docs/nki-0.6.md sections 5.6 and 6: the ALU ops list reciprocal, not divide, and
+The ISA has no divide (docs/nki.md sections 5.6 and 6: the ALU ops list reciprocal, not divide, and
 ``nl.divide`` is unsupported on hardware though it works in simulation), so ``240 / a`` and ``a / 240``
 become ``240 * (1 / a)`` and ``a * fp32(1 / 240)``; ``quantize_per_token`` (fp8_expert.py) computes
 exactly this, so the torch path and the kernel produce the same FP8 codes and scales, bit for bit. The
@@ -26,25 +27,39 @@ hands them one.
 
 Layout ("transposed": features on the 128 partitions, tokens on the free axis, T <= 128 per call):
 
-- x^T [128, Hd/128, T] (k = 128 * kt + p) is read once per call; its per-token amax is a free-axis
-  max over the k-tiles, one PE transpose to [T, 128], a free-axis max, and one PE transpose of the
-  stride-0 broadcast column back to [128, T] (every partition holds every token's scale).
-- gate/up: for each 128-row tile r of w13[e], W^T tile [128 p, Hd/128, 128 rows] (one DMA), then
-  Hd/256 double-row matmuls ``stationary = W^T[:, 2kk:2kk+2, :]`` ([128, 2, 128] FP8, contraction 256),
-  ``moving = xq^T[:, 2kk:2kk+2, :]`` ([128, 2, T] FP8) accumulate [128 rows, T] in fp32 PSUM. Row
-  tiles share a PSUM tile [128, G, T] with G = min(tiles, 512 // T) (one 2 KiB bank).
+- x [T, Hd] comes in with tokens on the partitions (one contiguous row each) and Hd / 128 fp32 PE transposes (exact)
+  put it as x^T [128, Hd/128, T] (k = 128 * kt + p); its per-token amax is a free-axis max over the k-tiles, one PE
+  transpose to [T, 128], a free-axis max, and one PE transpose of the stride-0 broadcast column back to [128, T]
+  (every partition holds every token's scale).
+- gate/up: the expert's W^T tiles [128 p, n, Hd/128, 128 rows] in one DMA, then per 128-row tile Hd/256 double-row
+  matmuls ``stationary = W^T[:, j, 2kk:2kk+2, :]`` ([128, 2, 128] FP8, contraction 256), ``moving =
+  xq^T[:, 2kk:2kk+2, :]`` ([128, 2, T] FP8) accumulate [128 rows, T] in fp32 PSUM; 4 row tiles share a PSUM tile
+  [128, 4, T] (one 2 KiB bank for any T <= 128, so the program does not depend on T).
 - leaving PSUM: ``* s_tok`` (a [128, T] tile broadcast over the row tiles), ``* s_row`` and ``+ b``
   ((rows on partitions) broadcast over tokens), in that order: the per-row scale is a per-partition
-  value; then SiLU (ScalarE) and ``* up`` give h^T [128, I/128, T] (I on partitions).
+  value; then SiLU (ScalarE) and ``* up`` give h^T [128, I/128, T] (I on partitions). The row scales and biases
+  ([E, rows] fp32, row-major) come in with rows on the free axis, 512 contiguous bytes per row tile and partition,
+  and one PE transpose puts them on the partitions (read with rows on partitions instead, each 4-byte element would
+  be a DMA descriptor of its own).
 - h is quantized per token the same way (its amax runs over the partitions: one transpose, one
   reduce, one broadcast transpose), and the down projection runs the same way (``stationary`` =
-  w2^T tile [128 i, I/128, 128 d], ``moving`` = hq^T), so s2 lands on the output's partition axis.
+  w2^T tiles [128 i, I/128, 128 d], ``moving`` = hq^T), so s2 lands on the output's partition axis.
 - each block's y^T is weighted by the routing weights and added into an fp32 accumulator
-  [128, Hd/128, T] resident in SBUF, stored once at the end through a transposing access pattern.
+  [128, Hd/128, T] resident in SBUF, transposed by the PE at the end (exact) and stored one token row per DMA run.
 
-Resident in SBUF per expert: its whole FP8 weights as tiles (2 KiB + 1 KiB per partition per row tile
-at Trinity-Mini's Hd = 2048, I = 1024: 48 KiB in all if the compiler keeps every tile in flight);
-xq^T, h^T, scales (a few KiB). PSUM: the gate/up bank, the down bank, two transposes (4 banks).
+Weight layout. Read row-major ([E, rows, K]), partition p of a W^T tile needs byte k = 128 kt + p of every row: a
+transposing access pattern whose every byte is a DMA descriptor of its own (6.3 M descriptors per expert at
+Trinity-Mini's geometry: ~9 ms of DMA-engine time per expert in the emulator's model, against ~17 us for its 6 MiB at
+the engines' full rate). The loader therefore stores every FP8 stack in the kernel's layout once
+(model_executors/mxfp4_fp8.py, `fp8_expert.to_kernel_layout`): [E, 128, rows/128, K/128, 128], t[e, p, rt, kt, j] =
+W[e, rt*128 + j, kt*128 + p], so partition p's bytes of any range of consecutive row tiles are one contiguous run
+(8 KiB and more here), one DMA per matrix and expert reads them (the gate and up halves of a core in one DMA with two
+runs per partition), and the torch path reads the same layout bit for bit. The kernel still takes row-major stacks
+(the layout before; tests and `deploy/kernel_costs.py --layout row-major` measure it).
+
+Resident in SBUF per expert: its whole FP8 weights as tiles (32 + 16 KiB per partition at Trinity-Mini's Hd = 2048,
+I = 1024 at LNC=1; half at LNC=2); xq^T, h^T, scales (a few KiB). PSUM: a transpose scratch bank, the gate/up and
+down accumulation banks, two quantization banks.
 
 Routing layout of fp8_experts_kernel (``expert_blocks``, built in torch with fixed shapes, no host
 sync): NB = min(E, T * K) blocks, block b = one expert holding all T tokens as columns:
@@ -53,36 +68,41 @@ sync): NB = min(E, T * K) blocks, block b = one expert holding all T tokens as c
     block_active [NB] int32   1 if the block's expert received a token, else 0
     block_weight [NB, T] fp32 topk weight of token t for that expert, 0 if t did not pick it
 
-The block loop has NB trips fixed at compile time. The first ``n_always`` = min(K, E) blocks always hold
-tokens (every token picks K distinct experts) and run unguarded; every later block b runs inside
-``nl.fori_loop(0, r, body)`` with r = block_active[b] loaded into a register at run time: a zero-trip
-loop for an empty block, so it costs no weight DMA. The expert's weights are addressed with
-``scalar_offset`` = a register holding block_expert[b]. Computing all T tokens per block (instead of
-gathering each expert's few tokens) costs no extra DMA; at decode sizes (T <= 32, a handful of
-tokens per expert) a matmul streams T <= 32 columns, which is noise beside the 128-column stationary
-load, and it saves the gathers and the per-expert re-quantization of x. Blocks run in ascending
-expert order and add ``y * w`` into the accumulator, the order of ``fp8_experts``'s ``index_add_``.
-Calls with T > 128 are split by the wrapper (each split re-reads its experts' weights: a prefill
-kernel would gather per-expert token blocks instead).
+The blocks are one compiled ``nl.fori_loop(0, n_active)`` (NKI 0.7+: only fori_loop stays a loop): n_active, the sum
+of block_active, is formed on chip and loaded into a register, and the active blocks come first, so an empty block
+is never entered (it costs no weight DMA) and neither E, NB nor the routing sizes the program (302 instructions at
+LNC=1, 185 at LNC=2 at Trinity-Mini's geometry; the expert body stays unrolled over its weight tiles). In the body
+the block's expert id is DMA'd into a (1, 1) SBUF tile that addresses the weights, scales and biases as
+``scalar_offset``, and its routing weights come by ``scalar_offset`` = the loop register. Computing all T tokens per
+block (instead of gathering each expert's few tokens) costs no extra DMA; at decode sizes (T <= 32, a handful of
+tokens per expert) a matmul streams T <= 32 columns, which is noise beside the 128-column stationary load, and it
+saves the gathers and the per-expert re-quantization of x. Blocks run in ascending expert order and add ``y * w``
+into the accumulator, the order of ``fp8_experts``'s ``index_add_``. Calls with T > 128 are split by the wrapper
+(each split re-reads its experts' weights: a prefill kernel would gather per-expert token blocks instead).
 
-DMA per call (``fp8_experts_cost``): per active block 3 * I * Hd bytes of FP8 weights +
-(4 I + 2 Hd) * 4 bytes of scales and biases + 128 * T * 4 bytes of routing weights (broadcast to the
-partitions by the DMA); per call T * Hd * (itemsize(x) + 4) for x and the fp32 output + 8 * NB bytes
-of routing metadata. The analytic minimum is the same without the broadcast (128 T * 4 -> T * 4, 0.3%
-of an expert at T = 32). Matmuls per active block: (2I / 128)(Hd / 256) + (Hd / 128)(I / 256) double-row
-(192 at Trinity-Mini), plus 2 PE transposes; 2 more transposes per call for x.
+LNC=2 (Trn2's default): program c computes the gate and up rows of its half of I (its gate tiles and its up tiles:
+one DMA, two runs per partition), the SiLU product for that half of h, then the two programs swap their halves of h
+(``nisa.sendrecv``, [128, I/256, T] fp32 each way), both quantize the whole h (the same bits on both), and program c
+computes the down rows of its half of Hd and stores those features of out. Each core reads half of every active
+expert's weights; every element is formed by the same instructions as at LNC=1, so out is bit-identical to LNC=1.
 
-Not yet tuned for the device: the weight tiles are read through an access pattern that walks the
-row-major [rows, K] weights K-major (partition p takes column p of every row), which is 1-byte
-granular on the DMA engines. Stored K-major once at load time (a process_weights_after_loading
-copy), each partition would read contiguous 128-byte runs with the same kernel and different strides.
+DMA per call (``fp8_experts_cost``, equal to the emulator's counters): per active block 3 * I * Hd bytes of FP8
+weights + (4 I + 2 Hd) * 4 bytes of scales and biases + 128 * T * 4 bytes of routing weights (broadcast to the
+partitions by the DMA) + its expert id; per call T * Hd * (itemsize(x) + 4) for x and the fp32 output (x read by each
+core) + 4 * NB bytes of block_active. The analytic minimum is the same without the broadcast (0.3% of an expert at
+T = 32). Matmuls per active block: (2I / 128)(Hd / 256) + (Hd / 128)(I / 256) double-row (192 at Trinity-Mini), plus
+4 PE transposes; Hd / 128 + 2 + Hd / 128 / LNC more per call for x and out.
 
 Numerics contract (tests/test_fp8_expert_nki.py): FP8 codes and scales of x and of h are bit-exact
-against ``quantize_per_token`` applied to the same fp32 input; the matmuls are exact products
-with fp32 accumulation whose order is the device's (only accumulation order and the ScalarE SiLU
+against ``quantize_per_token`` applied to the same fp32 input (the quantization runs on VectorE: the reciprocal is
+taken as correctly rounded [ISA reciprocal], the docs stating no ScalarE-like approximation for it); the matmuls are
+exact products with fp32 accumulation whose order is the device's (only accumulation order and the ScalarE SiLU
 differ from the fp32 torch reference); so y agrees with ``fp8_expert`` to fp32 rounding,
 except that h, being re-quantized, can land on the other side of an FP8 rounding midpoint, which moves
-y by at most one FP8 step of h times the w2 row (see the tests for the bound).
+y by at most one FP8 step of h times the w2 row (see the tests for the bound). The SiLU polynomial's error is
+undocumented: with it off by 2^-10 (the emulator's perturbation model) h moves by that much more and up to ~3 % of
+h's codes take a neighbouring value; the bounds above hold with that (tests: the "device" cases). The fp32 PE
+transposes of x, of the row scales and of the output must be exact ("bit-exact on v3+" [ISA nc_transpose]).
 """
 
 from __future__ import annotations
@@ -96,7 +116,7 @@ from vllm_trn_plugin.kernels.fp8_expert import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX,
 from vllm_trn_plugin.kernels.nki_shim import nisa, nki, nl
 
 P = 128  # partitions
-LNC_DEGREES = (1,)  # the LNC degrees the kernel runs at (kernels/nki_ops.py refuses a deployment at another)
+LNC_DEGREES = (1, 2)  # the LNC degrees the kernel runs at (kernels/nki_ops.py refuses a deployment at another)
 MAX_TOKENS = 128  # tokens per kernel call: the amax transpose puts tokens on partitions
 PSUM_BANK_F32 = 512
 
@@ -162,42 +182,86 @@ def fp8_experts_nki(
     for t0 in range(0, x.shape[0], MAX_TOKENS):
         sl = slice(t0, t0 + MAX_TOKENS)
         blk = expert_blocks(topk_weights[sl], topk_ids[sl], experts.w13.shape[0], all_local)
-        outs.append(runner(fp8_experts_kernel)(x[sl].contiguous(), *blk[:3], *experts, blk.n_always))
+        outs.append(runner(fp8_experts_kernel)(x[sl].contiguous(), *blk[:3], *experts))
     if not outs:
         return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     return torch.cat(outs).to(x.dtype)
 
 
 def fp8_experts_cost(
-    tokens: int, hidden: int, inter: int, active_experts: int, num_blocks: int, x_itemsize: int = 2
-) -> dict[str, int]:
-    """Counters of one fp8_experts_kernel call (T = tokens <= 128) with ``active_experts`` blocks run."""
-    per_block_dma = 3 * inter * hidden + (4 * inter + 2 * hidden) * 4 + P * tokens * 4
-    hbm_to_sbuf = tokens * hidden * x_itemsize + 2 * num_blocks * 4 + active_experts * per_block_dma
-    sbuf_to_hbm = tokens * hidden * 4
-    per_block_mm = (2 * inter // P) * (hidden // 256) + (hidden // P) * (inter // 256)
-    return {
-        "dma_hbm_to_sbuf_bytes": hbm_to_sbuf,
-        "dma_sbuf_to_hbm_bytes": sbuf_to_hbm,
-        "dma_bytes": hbm_to_sbuf + sbuf_to_hbm,
-        # the same traffic without the routing-weight broadcast and the block metadata
-        "min_dma_bytes": hbm_to_sbuf + sbuf_to_hbm - active_experts * (P - 1) * tokens * 4 - 2 * num_blocks * 4,
-        "weight_bytes": active_experts * 3 * inter * hidden,
-        "dma_instructions": 4 + active_experts * (2 * inter // P + hidden // P + 5),
-        "matmul_instructions": active_experts * per_block_mm,
-        "matmul_macs": active_experts * 3 * inter * hidden * tokens,
-        "transpose_instructions": 2 + 2 * active_experts,
-    }
+    tokens: int,
+    hidden: int,
+    inter: int,
+    active_experts: int,
+    num_blocks: int,
+    x_itemsize: int = 2,
+    lnc: int = 1,
+    layout: str = "tiled",
+) -> dict[str, Any]:
+    """Counters of one fp8_experts_kernel call (T = tokens <= 128) with ``active_experts`` blocks run, launched at LNC
+    ``lnc``, the weights in ``layout`` "tiled" (fp8_expert.to_kernel_layout, as the loader stores them) or "row-major"
+    (the layout before), as the emulator reports them (kernels/kernel_cost.py): DMA bytes, instructions, descriptors
+    and times, matmul and transpose instructions, MACs, emitted and executed instructions, summed over the programs,
+    each program's under ``programs`` (each reads half of every active expert's weights), the slowest core's DMA
+    times, and the analytic minimum: ``min_dma_bytes`` (each active expert's weights, scales and biases once, x once,
+    the routing weights once, out once) and ``dma_time_min_ns``, that minimum split evenly over the cores at their
+    full DMA rate. ``weight_bytes``: the active experts' FP8 weights alone."""
+    from vllm_trn_plugin.kernels.kernel_cost import Tally, busiest, combine, min_time_ns
+
+    if layout not in ("tiled", "row-major"):
+        raise ValueError(f"layout {layout!r}: 'tiled' or 'row-major'")
+    ni, nd = inter // P, hidden // P
+    ni_c, nd_c = ni // lnc, nd // lnc
+    nk13, nk2 = hidden // P, inter // P
+    up = -(-nd // GROUP) + -(-nd_c // GROUP)  # PSUM-evacuating copies of the x and out transposes
+    once = 4 + 1 + nd + 11 + 1 + 1 + nd_c + 1 + up
+    wdma13 = 1 if layout == "tiled" else 2
+    body = (
+        2 + wdma13 + 4 + 3 * -(-2 * ni_c // GROUP) + ni_c * nk13 + 2 + (lnc == 2) + 11
+        + 1 + 4 + 3 * -(-nd_c // GROUP) + nd_c * nk2 // 2 + 2
+    )  # fmt: skip
+    programs = []
+    a = active_experts
+    for _ in range(lnc):
+        t = Tally()
+        t.dma(1, 1, num_blocks * 4, 1)  # block_active
+        t.dma(1, tokens, hidden * x_itemsize, busiest(0, tokens))  # x, one token row per partition
+        t.dma(1, tokens, nd_c * P * 4, busiest(0, tokens), to_hbm=True)  # out: this core's features of each token
+        t.dma(a, 1, 4, 1)  # the block's expert id
+        t.dma(a, P, tokens * 4, busiest(0, P))  # its routing weights, broadcast to the partitions
+        if layout == "tiled":  # one contiguous run per partition and range (one range when they touch, at LNC=1)
+            runs = 1 if lnc == 1 else 2
+            t.dma(a, P * runs, (2 * ni_c // runs) * hidden, busiest(0, P, runs))  # w13: gate and up rows
+            t.dma(a, P, nd_c * inter, busiest(0, P))  # w2
+        else:  # one byte per descriptor
+            t.dma(2 * a, P * ni_c * nk13 * P, 1, busiest(0, P, ni_c * nk13 * P))
+            t.dma(a, P * nd_c * nk2 * P, 1, busiest(0, P, nd_c * nk2 * P))
+        for n in (2 * ni_c, nd_c):  # row scales then biases, one 512-byte run per row tile and partition
+            t.dma(a, n, P * 4, busiest(0, n))
+            t.dma(a, n, P * 4, busiest(n, n))
+        t.add(
+            dma_sbuf_to_sbuf_bytes=a * ni_c * tokens * 4 * P if lnc == 2 else 0,  # the swapped halves of h
+            matmul_instructions=a * (ni_c * nk13 + nd_c * nk2 // 2),
+            matmul_macs=a * (2 * ni_c * P * hidden + nd_c * P * inter) * tokens,
+            transpose_instructions=nd + 2 + nd_c + 4 * a,
+            emitted_instructions=once + body,
+            executed_instructions=once + a * body,
+        )
+        programs.append(t.result())
+    per_block = 3 * inter * hidden + (4 * inter + 2 * hidden) * 4
+    dma_min = a * per_block + a * tokens * 4 + tokens * hidden * (x_itemsize + 4)
+    return combine(
+        programs,
+        min_dma_bytes=dma_min,
+        dma_time_min_ns=min_time_ns(dma_min / lnc),
+        weight_bytes=a * 3 * inter * hidden,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # kernel building blocks (inlined at specialization; the tests run one expert through them)
 # ---------------------------------------------------------------------------------------------
-def _hbm(t: Any, pattern: list[list[int]], offset: int, expert: Any) -> Any:
-    """An access pattern on an HBM tensor; with a register ``expert``, into that expert's slice."""
-    if expert is None:
-        return t.ap(pattern, offset=offset)
-    return t.ap(pattern, offset=offset, scalar_offset=expert, indirect_dim=0)
+GROUP = 4  # row tiles per PSUM accumulation tile ([128, 4, T <= 128] fp32: one 2 KiB bank whatever T)
 
 
 def _bcast_tokens(s: Any, n: int, t: int) -> Any:
@@ -205,9 +269,11 @@ def _bcast_tokens(s: Any, n: int, t: int) -> Any:
     return s.ap([[t, P], [0, n], [1, t]])
 
 
-def _bcast_rows(s: Any, ncols: int, c0: int, n: int, t: int) -> Any:
-    """Columns c0..c0+n of a [128, ncols] tile viewed as [128, n, t] (repeated over tokens, stride 0)."""
-    return s.ap([[ncols, P], [1, n], [0, t]], offset=c0)
+def _core_split(n_tiles: int) -> tuple[int, int]:
+    """(first, count) of this program's share of n_tiles 128-row tiles: all of them at LNC=1, half at LNC=2."""
+    n, c = nl.num_programs(0), nl.program_id(0)
+    assert n_tiles % n == 0, f"{n_tiles} row tiles do not split over LNC={n}"
+    return c * (n_tiles // n), n_tiles // n
 
 
 def _quantize_cols(v: Any, nc: int, t: int) -> tuple[Any, Any]:
@@ -235,57 +301,154 @@ def _quantize_cols(v: Any, nc: int, t: int) -> tuple[Any, Any]:
     return q, s
 
 
+def _hbm(t: Any, pattern: list[list[int]], offset: int, expert: Any) -> Any:
+    """An access pattern on an HBM tensor; with ``expert`` (a register or a (1, 1) SBUF tile), into that expert's
+    slice (the leading dimension); without, on one expert's tensor."""
+    if expert is None:
+        return t.ap(pattern, offset=offset)
+    return t.ap(pattern, offset=offset, scalar_offset=expert, indirect_dim=0)
+
+
+def _tiled(w: Any) -> bool:
+    """Whether a weight (a stack, or one expert without its leading dimension) is in the kernel layout."""
+    return w.ndim in (4, 5)
+
+
+def _ranges_ap(ranges: list[tuple[int, int]]) -> tuple[int, int, int]:
+    """(first tile, count per range, tile spacing between ranges) of one or two equal row-tile ranges."""
+    (a, n), *rest = ranges
+    assert len(ranges) <= 2 and all(m == n for _, m in rest), f"row-tile ranges {ranges}"
+    return a, n, (rest[0][0] - a if rest else n)
+
+
+def _weight_tiles(dst: Any, w: Any, ranges: list[tuple[int, int]], expert: Any) -> None:
+    """dst [128, ntiles, K/128, 128] FP8 = the W^T tiles of `ranges` (one or two equal runs of row tiles) of expert
+    `expert`: dst[p, j, kt, i] = W[rt_j*128 + i, kt*128 + p].
+
+    W in the kernel layout [E, 128, R/128, K/128, 128] (fp8_expert.to_kernel_layout): one DMA, partition p reading
+    one contiguous run of n*K bytes per range (n*K*ranges when the ranges touch, as at LNC=1). W row-major [E, R, K]
+    (the layout before): a transposing access pattern, one DMA per range, one byte per descriptor run.
+    `expert` None: W is one expert's, without the leading dimension."""
+    a, n, gap = _ranges_ap(ranges)
+    if _tiled(w):
+        nr, nk = w.shape[-3], w.shape[-2]
+        run = nk * P
+        pattern = [[nr * run, P], [gap * run, len(ranges)], [run, n], [1, run]]
+        nisa.dma_copy(dst=dst, src=_hbm(w, pattern, a * run, expert))
+        return
+    k = w.shape[-1]
+    for j, (rt0, m) in enumerate(ranges):
+        pattern = [[1, P], [k * P, m], [P, k // P], [k, P]]
+        nisa.dma_copy(dst=dst[:, j * n : (j + 1) * n, :, :], src=_hbm(w, pattern, rt0 * P * k, expert))
+
+
+def _row_params(vecs: list[Any], ranges: list[tuple[int, int]], expert: Any, scratch: Any) -> Any:
+    """[128, len(vecs) * ntiles] fp32 whose column v * ntiles + r holds vector v (a per-row scale or bias, [E, R]
+    row-major) of the r-th row tile of `ranges`, rows on partitions. Each vector comes in with rows on the free axis:
+    tile r's 128 values (512 contiguous bytes) on one partition, one DMA per vector, one descriptor per tile (read
+    with rows on partitions instead, every 4-byte element would be a descriptor of its own). One PE transpose puts the
+    rows on the partitions (exact: it moves fp32 bits [ISA nc_transpose])."""
+    a, n, gap = _ranges_ap(ranges)
+    ntiles = n * len(ranges)
+    cols = len(vecs) * ntiles
+    rows = nl.ndarray((cols, P), dtype=nl.float32, buffer=nl.sbuf)
+    for v, vec in enumerate(vecs):
+        src = _hbm(vec, [[gap * P, len(ranges)], [P, n], [1, P]], a * P, expert)
+        nisa.dma_copy(dst=rows[v * ntiles : (v + 1) * ntiles, :], src=src)
+    nisa.nc_transpose(dst=scratch[:, 0:cols], data=rows)
+    out = nl.ndarray((P, cols), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=out, src=scratch[:, 0:cols])
+    return out
+
+
+def _bcast_params(s: Any, col: int, n: int, t: int) -> Any:
+    """Columns col .. col + n of a `_row_params` tile viewed as [128, n, t] (repeated over tokens, stride 0)."""
+    return s.ap([[s.shape[1], P], [1, n], [0, t]], offset=col)
+
+
 def _projection(
-    dst: Any, q: Any, s_tok: Any, t: int, w: Any, s_row: Any, b: Any, expert: Any, rows: int, k: int
-) -> None:
-    """dst [128, rows/128, t] = ((W q^T) * s_tok) * s_row + b for W [rows, k] (of expert ``expert``)."""
-    nr, nk = rows // P, k // P
-    s_t = nl.ndarray((P, nr), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=s_t, src=_hbm(s_row, [[1, P], [P, nr]], 0, expert))
-    b_t = nl.ndarray((P, nr), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=b_t, src=_hbm(b, [[1, P], [P, nr]], 0, expert))
-    group = max(1, min(nr, PSUM_BANK_F32 // t))
-    for r0 in range(0, nr, group):
-        n = min(group, nr - r0)
-        acc = nl.ndarray((P, n, t), dtype=nl.float32, buffer=nl.psum)
+    dst: Any, q: Any, s_tok: Any, t: int, w: Any, s_row: Any, b: Any, expert: Any, ranges: list[tuple[int, int]],
+    scratch: Any,
+) -> None:  # fmt: skip
+    """dst [128, ntiles, t] = ((W q^T) * s_tok) * s_row + b for W's row tiles `ranges` (of expert `expert`)."""
+    ntiles = sum(n for _, n in ranges)
+    nk = q.shape[1]
+    w_t = nl.ndarray((P, ntiles, nk, P), dtype=nl.float8_e4m3, buffer=nl.sbuf)
+    _weight_tiles(w_t, w, ranges, expert)
+    sb = _row_params([s_row, b], ranges, expert, scratch)  # column r: s of tile r, ntiles + r: b of tile r
+    for r0 in range(0, ntiles, GROUP):
+        n = min(GROUP, ntiles - r0)
+        acc = nl.ndarray((P, GROUP, t), dtype=nl.float32, buffer=nl.psum)
         for j in range(n):
-            w_t = nl.ndarray((P, nk, P), dtype=nl.float8_e4m3, buffer=nl.sbuf)
-            nisa.dma_copy(dst=w_t, src=_hbm(w, [[1, P], [P, nk], [k, P]], (r0 + j) * P * k, expert))
             for kk in range(nk // 2):
                 nisa.nc_matmul(
                     dst=acc[:, j, :],
-                    stationary=w_t[:, 2 * kk : 2 * kk + 2, :],
+                    stationary=w_t[:, r0 + j, 2 * kk : 2 * kk + 2, :],
                     moving=q[:, 2 * kk : 2 * kk + 2, :],
                     accumulate=kk > 0,
                     perf_mode=nisa.matmul_perf_mode.double_row,
                 )
         out = dst[:, r0 : r0 + n, :]
-        nisa.tensor_tensor(dst=out, data1=acc, data2=_bcast_tokens(s_tok, n, t), op=nl.multiply)
-        nisa.tensor_tensor(dst=out, data1=out, data2=_bcast_rows(s_t, nr, r0, n, t), op=nl.multiply)
-        nisa.tensor_tensor(dst=out, data1=out, data2=_bcast_rows(b_t, nr, r0, n, t), op=nl.add)
+        nisa.tensor_tensor(dst=out, data1=acc[:, 0:n, :], data2=_bcast_tokens(s_tok, n, t), op=nl.multiply)
+        nisa.tensor_tensor(dst=out, data1=out, data2=_bcast_params(sb, r0, n, t), op=nl.multiply)
+        nisa.tensor_tensor(dst=out, data1=out, data2=_bcast_params(sb, ntiles + r0, n, t), op=nl.add)
 
 
-def load_quantized_x(x: Any, t: int, hd: int) -> tuple[Any, Any]:
-    """x [T, Hd] (HBM, any float dtype) -> quantized xq^T [128, Hd/128, T] FP8 and s_tok [128, T]."""
-    x_t = nl.ndarray((P, hd // P, t), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=x_t, src=x.ap([[1, P], [P, hd // P], [hd, t]], offset=0))
-    return _quantize_cols(x_t, hd // P, t)
+def load_quantized_x(x: Any, t: int, hd: int, scratch: Any = None) -> tuple[Any, Any]:
+    """x [T, Hd] (HBM, any float dtype) -> quantized xq^T [128, Hd/128, T] FP8 and s_tok [128, T].
+
+    x comes in with tokens on the partitions (one contiguous row of Hd elements each) and PE transposes (fp32, exact)
+    put its features on the partitions, GROUP tiles per PSUM bank."""
+    nd = hd // P
+    if scratch is None:
+        scratch = nl.ndarray((P, GROUP * P), dtype=nl.float32, buffer=nl.psum)
+    x_rows = nl.ndarray((t, hd), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=x_rows, src=x)
+    x_t = nl.ndarray((P, nd, t), dtype=nl.float32, buffer=nl.sbuf)
+    for g0 in range(0, nd, GROUP):
+        n = min(GROUP, nd - g0)
+        ps = scratch.ap([[GROUP * P, P], [t, n], [1, t]])  # [128, n, t] in one bank
+        for j in range(n):
+            nisa.nc_transpose(dst=ps[:, j, :], data=x_rows[:, (g0 + j) * P : (g0 + j + 1) * P])
+        nisa.tensor_copy(dst=x_t[:, g0 : g0 + n, :], src=ps)
+    return _quantize_cols(x_t, nd, t)
 
 
 def expert_mlp(
-    xq: Any, sx: Any, t: int, w13: Any, s13: Any, b13: Any, w2: Any, s2: Any, b2: Any, expert: Any
-) -> tuple[Any, Any, Any, Any]:
-    """One expert on all t token columns -> (y^T [128, Hd/128, t] fp32, h^T, hq^T, s_h)."""
-    two_i, hd = w13.shape[-2], w13.shape[-1]
+    xq: Any, sx: Any, t: int, w13: Any, s13: Any, b13: Any, w2: Any, s2: Any, b2: Any, expert: Any,
+    scratch: Any = None,
+) -> tuple[Any, Any, Any, Any]:  # fmt: skip
+    """One expert on all t token columns -> (y^T [128, Hd_c/128, t] fp32, h^T [128, I/128, t], hq^T, s_h).
+
+    Either weight layout (`_weight_tiles`). At LNC=1 the program computes everything (Hd_c = Hd). At LNC=2 program c
+    computes the gate and up rows of its half of I and, after the two programs swap their halves of h (`sendrecv`),
+    the down rows of its half of Hd: y is its half of the output's features, h and its quantization are the whole
+    (the same on both cores). Each core reads half of every weight matrix, and every element is formed by the same
+    instructions as at LNC=1: the split changes no bit."""
+    if _tiled(w13):
+        two_i, hd = w13.shape[-3] * P, w13.shape[-2] * P
+    else:
+        two_i, hd = w13.shape[-2], w13.shape[-1]
     ni = two_i // 2 // P
-    gu = nl.ndarray((P, 2 * ni, t), dtype=nl.float32, buffer=nl.sbuf)
-    _projection(gu, xq, sx, t, w13, s13, b13, expert, two_i, hd)
+    if scratch is None:
+        scratch = nl.ndarray((P, GROUP * P), dtype=nl.float32, buffer=nl.psum)
+    i0, ni_c = _core_split(ni)
+    gu = nl.ndarray((P, 2 * ni_c, t), dtype=nl.float32, buffer=nl.sbuf)  # [gate tiles | up tiles] of this core
+    _projection(gu, xq, sx, t, w13, s13, b13, expert, [(i0, ni_c), (ni + i0, ni_c)], scratch)
     h = nl.ndarray((P, ni, t), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=h, op=nl.silu, data=gu[:, 0:ni, :])
-    nisa.tensor_tensor(dst=h, data1=h, data2=gu[:, ni : 2 * ni, :], op=nl.multiply)
+    mine = h[:, i0 : i0 + ni_c, :]
+    nisa.activation(dst=mine, op=nl.silu, data=gu[:, 0:ni_c, :])
+    nisa.tensor_tensor(dst=mine, data1=mine, data2=gu[:, ni_c : 2 * ni_c, :], op=nl.multiply)
+    if nl.num_programs(0) == 2:  # the other core's half of h: both need all of it (amax, down projection)
+        other = 1 - nl.program_id(0)
+        theirs = other * ni_c
+        nisa.sendrecv(
+            src=mine, dst=h[:, theirs : theirs + ni_c, :], send_to_rank=other, recv_from_rank=other, pipe_id=0
+        )
     hq, sh = _quantize_cols(h, ni, t)
-    y = nl.ndarray((P, hd // P, t), dtype=nl.float32, buffer=nl.sbuf)
-    _projection(y, hq, sh, t, w2, s2, b2, expert, hd, two_i // 2)
+    d0, nd_c = _core_split(hd // P)
+    y = nl.ndarray((P, nd_c, t), dtype=nl.float32, buffer=nl.sbuf)
+    _projection(y, hq, sh, t, w2, s2, b2, expert, [(d0, nd_c)], scratch)
     return y, h, hq, sh
 
 
@@ -295,8 +458,23 @@ def check_shapes(t: int, hd: int, two_i: int) -> None:
     assert hd % 256 == 0 and two_i % 512 == 0, f"Hd and I must be multiples of 256, got Hd={hd}, 2I={two_i}"
 
 
+def store_tokens(dst: Any, src: Any, t: int, c0: int, scratch: Any) -> None:
+    """src [128, n, t] fp32 (features on partitions) -> columns c0 .. c0 + 128 n of dst [t, cols] (HBM): PE transposes
+    (fp32, exact) put the tokens on the partitions, so each token's row leaves in one contiguous run."""
+    n = src.shape[1]
+    rows = nl.ndarray((t, n * P), dtype=nl.float32, buffer=nl.sbuf)
+    for g0 in range(0, n, GROUP):
+        m = min(GROUP, n - g0)
+        for j in range(m):
+            nisa.nc_transpose(dst=scratch[0:t, j * P : (j + 1) * P], data=src[:, g0 + j, :])
+        nisa.tensor_copy(dst=rows[:, g0 * P : (g0 + m) * P], src=scratch[0:t, 0 : m * P])
+    cols = dst.shape[1]
+    nisa.dma_copy(dst=dst.ap([[cols, t], [1, n * P]], offset=c0), src=rows)
+
+
 def store_transposed(dst: Any, src: Any, t: int, cols: int) -> None:
-    """src [128, cols/128, t] -> dst [t, cols] (HBM) through a transposing access pattern."""
+    """src [128, cols/128, t] -> dst [t, cols] (HBM) through a transposing access pattern (one element per descriptor
+    run: for the tests' FP8 intermediates, which the PE cannot transpose; not on the decode path)."""
     nisa.dma_copy(dst=dst.ap([[1, P], [P, cols // P], [cols, t]], offset=0), src=src)
 
 
@@ -304,47 +482,44 @@ def store_transposed(dst: Any, src: Any, t: int, cols: int) -> None:
 # kernels
 # ---------------------------------------------------------------------------------------------
 @nki.jit
-def fp8_experts_kernel(x, block_expert, block_active, block_weight, w13, s13, b13, w2, s2, b2, n_always):
+def fp8_experts_kernel(x, block_expert, block_active, block_weight, w13, s13, b13, w2, s2, b2):
     """All routed experts of a layer: out [T, Hd] fp32 = sum over active blocks b of block_weight[b] * y_e.
 
-    x [T, Hd]; block_expert/block_active [NB] int32, block_weight [NB, T] fp32 (``expert_blocks``);
-    w13 [E, 2I, Hd] FP8, s13/b13 [E, 2I], w2 [E, Hd, I] FP8, s2/b2 [E, Hd]; n_always (compile time):
-    blocks 0..n_always-1 run unguarded, the rest under a zero-or-one-trip fori_loop.
+    x [T, Hd]; block_expert/block_active [NB] int32, block_weight [NB, T] fp32 (``expert_blocks``: active blocks
+    first); w13 FP8 [E, 2I, Hd] or in the kernel layout [E, 128, 2I/128, Hd/128, 128], s13/b13 [E, 2I], w2 FP8
+    [E, Hd, I] or [E, 128, Hd/128, I/128, 128], s2/b2 [E, Hd]. The blocks are one `nl.fori_loop` whose trip count,
+    the number of active blocks, is summed from block_active at run time: neither E nor NB nor which experts are
+    routed sizes the program, and an empty block is never entered. At LNC=2 each program computes half of every
+    expert's gate/up rows and of its down rows (`expert_mlp`) and stores its half of out's features.
     """
     t, hd = x.shape
     nb = block_weight.shape[0]
-    two_i = w13.shape[1]
+    two_i = w13.shape[2] * P if _tiled(w13) else w13.shape[1]
     check_shapes(t, hd, two_i)
-    nd = hd // P
-    eid = nl.ndarray((1, nb), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=eid, src=block_expert)
+    out = nl.ndarray((t, hd), dtype=nl.float32, buffer=nl.shared_hbm)  # one tensor, each program its features
+    scratch = nl.ndarray((P, GROUP * P), dtype=nl.float32, buffer=nl.psum)  # transposes, in program order
     act = nl.ndarray((1, nb), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=act, src=block_active)
-    xq, sx = load_quantized_x(x, t, hd)
-    acc = nl.ndarray((P, nd, t), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=acc, value=0.0)
-    expert = nisa.register_alloc(0)
+    n_active = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=n_active, op=nl.add, data=act, axis=1, keepdims=True)
     trips = nisa.register_alloc(0)
+    nisa.register_load(trips, n_active)
+    xq, sx = load_quantized_x(x, t, hd, scratch)
+    d0, nd_c = _core_split(hd // P)
+    acc = nl.ndarray((P, nd_c, t), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=acc, value=0.0)
 
-    def block(b: int) -> Callable[[Any], None]:
-        def body(_i: Any) -> None:
-            nisa.register_load(expert, eid[0:1, b : b + 1])
-            wt = nl.ndarray((P, t), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=wt, src=block_weight.ap([[0, P], [1, t]], offset=b * t))
-            y, _, _, _ = expert_mlp(xq, sx, t, w13, s13, b13, w2, s2, b2, expert)
-            nisa.tensor_tensor(dst=y, data1=y, data2=_bcast_tokens(wt, nd, t), op=nl.multiply)
-            nisa.tensor_tensor(dst=acc, data1=acc, data2=y, op=nl.add)
+    def block(i: Any) -> None:
+        expert = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)  # the scalar offset of the expert's weights
+        nisa.dma_copy(dst=expert, src=block_expert.ap([[1, 1], [1, 1]], offset=0, scalar_offset=i, indirect_dim=0))
+        wt = nl.ndarray((P, t), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=wt, src=block_weight.ap([[0, P], [1, t]], offset=0, scalar_offset=i, indirect_dim=0))
+        y, _, _, _ = expert_mlp(xq, sx, t, w13, s13, b13, w2, s2, b2, expert, scratch)
+        nisa.tensor_tensor(dst=y, data1=y, data2=_bcast_tokens(wt, nd_c, t), op=nl.multiply)
+        nisa.tensor_tensor(dst=acc, data1=acc, data2=y, op=nl.add)
 
-        return body
-
-    for b in range(nb):
-        if b < n_always:
-            block(b)(0)
-        else:
-            nisa.register_load(trips, act[0:1, b : b + 1])
-            nl.fori_loop(0, trips, block(b))
-    out = nl.ndarray((t, hd), dtype=nl.float32, buffer=nl.shared_hbm)
-    store_transposed(out, acc, t, hd)
+    nl.fori_loop(0, trips, block)  # blocks in ascending expert order: the torch path's summation order
+    store_tokens(out, acc, t, d0 * P, scratch)
     return out
 
 
@@ -357,5 +532,6 @@ __all__ = [
     "fp8_experts_kernel",
     "fp8_experts_nki",
     "load_quantized_x",
+    "store_tokens",
     "store_transposed",
 ]

@@ -1,48 +1,69 @@
-"""Absorbed latent decode attention (MLA-Trinity's global layers) as an NKI 0.6 kernel for trn2: the kernel,
-its host wrapper `latent_decode_nki` and its cost formula `latent_decode_cost`.
+"""Absorbed latent decode attention (MLA-Trinity's global layers) as an NKI kernel for trn2 (NKI 0.7/0.8: compiled
+`nl.fori_loop`s, LNC=1 or 2): the kernel, its host wrapper `latent_decode_nki` and its cost formula
+`latent_decode_cost`.
 
 The op (its math, its definition `latent_decode_reference` and the torch path) is in latent_decode.py;
 `latent_decode_nki` takes the same arguments plus a runner and returns the same result. NKI semantics the
-kernel relies on: docs/nki-0.6.md (section 9 (a) for the idioms).
+kernel relies on: docs/nki.md (section 9 (a) for the idioms) and the emulator's notes (kernels/nki_emu).
 
-Indices. The torch-facing entry `latent_decode_nki` expands the block table into a per-key row
-table `rows [B, bucket]` int32 (row_i for i < L_b, the out-of-range row `cache.shape[0]` after).
-Computing rows in the kernel would take a second, dependent indirect DMA per tile (the block ids
-of the tile's keys when bs < 128), and vLLM's block table can be narrower than the bucket; the
-table costs 4 B per key of HBM reads beside the 512 + 16 B of latent and key scales (0.8%) and
-one small elementwise torch op. The kernel does not trust the table's tail: once per sequence it
-replaces every entry with i >= L_b by the out-of-range row (iota, compare, predicated copy), so
-keys past L_b are never read, whatever the block table or the row table hold there.
+Indices. The torch-facing entry (`kernel_inputs`) expands the block table into a per-key row table `rows [B, bucket]`
+int32 (row_i for i < L_b, the out-of-range row `cache.shape[0]` after). Computing rows in the kernel would take a
+second, dependent indirect DMA per tile (the block ids of the tile's keys when bs < 128), and vLLM's block table can
+be narrower than the bucket; the table costs 4 B per key of HBM reads beside the 512 + 16 B of latent and key scales
+and one small elementwise torch op. The kernel reads only the table's entries of keys i < ceil(L_b / 128) * 128 and
+does not trust even those past L_b.
+
+Masked keys are never addressed out of bounds. The docs confirm that a dynamic DMA's out-of-bounds check with
+`oob_mode.skip` "silently skips" the access, but not which bound is checked (the indexed dimension or the whole
+tensor), whether a skipped row's source is read at all, what a skipped destination row then holds, nor whether it
+costs a descriptor (docs/nki.md section 3.1), and a tile buffer allocated in a compiled loop body is reused across
+iterations. So the kernel does not rely on skipping: the last tile's keys past
+L_b are pointed at the sequence's key 0 (always real: L_b >= 1) by a predicated copy of the row indices, gathered
+like any key (the default `oob_mode.error`), and their scores are replaced by FP32_MIN by selection (`range_select`),
+so their p is exactly 0 and meets only finite latents. Rows past L_b of the table, the cache, the key scales and the
+dequantization scales are never read: NaN or garbage there changes no bit.
+
+Loops (NKI 0.7+: `range`/`affine_range` unroll at trace time; only `nl.fori_loop` stays a loop): the batch rows are
+one `fori_loop` (register b), the 128-key tiles of a row another, whose bounds are loaded at run time into registers:
+tile n runs over [b NT, b NT + ceil(L_b / 128)) of the flat table `rows` viewed [B NT, 128] (NT = bucket / 128;
+there is no register arithmetic, so b NT lives in a (1, 1) SBUF counter that each row advances by NT). So the
+program (~90 instructions at Trinity-Mini's geometry) is the same for every bucket and batch, and a row runs only
+its own tiles. Inside the bodies nothing is sliced by a Python int that changes per iteration: q_b, L_b, the row of
+key 0 and out_b are addressed with `.ap(scalar_offset=b)`, the tile's row indices with `scalar_offset=n`, the running
+remainder rem = L_b - 128 t (per partition, fp32) masks the tile, and the running max is copied between tiles (no
+ping-pong by tile parity).
+
+LNC=2 (Trn2's default): `nl.program_id(0)` p decodes the batch rows [p ceil(B/2), (p+1) ceil(B/2)) (program 1 gets
+one row fewer at an odd B, none at B = 1). Each core reads the weights once (private SBUF) and its rows' history;
+every row runs the same instructions on either core, so the output is bit-identical to LNC=1. At B = 1 one core idles
+(splitting a row's tiles over the cores would need a cross-core merge of the online softmax).
 
 Tiling (P = 128 partitions; H = 32, Hkv = 4, hd = 128, r = 256 at full size; RC = r / 128):
-- Once per call: gamma, seq_lens (broadcast to 128 partitions), W_k as [hd, Hkv, r] fp32 (hd on
-  partitions: the stationary of q~'s contraction over hd), W_v PE-transposed into
-  [r % 128, RC, Hkv, hd] fp32 (r on partitions: the output's contraction over r). NBUF latent
-  gather buffers [128 keys, r] and key-scale buffers [128 keys, Hkv] are zeroed once.
-- Per sequence (a compile-time loop over B): q_b [H, hd] PE-transposed and scaled by
-  gamma * scale, then q~^T [r, H] fp32 = RC x Hkv matmuls (stationary W_k,g chunk [hd, 128],
-  moving [hd, G]); running state U [H, r], l [H, 1] and -m [H, 1] in SBUF, fp32.
-- Per 128-key tile (a compile-time loop of bucket / 128 tiles; the tail is masked): 2 DMAs,
-  RC + 2 PE transposes, RC + 1 matmuls, 9 ScalarE/VectorE instructions:
-  1. one indirect DMA gathers the tile's latents C [128 keys, r] through the row table, one more
-     their key scales S [128 keys, Hkv] with the same indices (oob_mode.skip for rows past L_b);
+- Once per call: gamma, W_k as [hd, Hkv, r] fp32 (hd on partitions: the stationary of q~'s contraction over hd),
+  W_v PE-transposed into [r % 128, RC, Hkv, hd] fp32 (r on partitions: the output's contraction over r).
+- Per row: L_b and the row of key 0 broadcast to the partitions (DMA), the tile range (two VectorE ops, two register
+  loads), q_b [H, hd] PE-transposed and scaled by gamma * scale, then q~^T [r, H] fp32 = RC x Hkv matmuls (stationary
+  W_k,g chunk [hd, 128], moving [hd, G]); running state U [H, r], l [H, 1] and -m [H, 1] in SBUF, fp32.
+- Per 128-key tile: 3 DMAs (4 with an FP8 cache), RC + 2 PE transposes, RC + 1 matmuls, 13 VectorE/ScalarE
+  instructions:
+  1. the tile's row indices [128, 1] (one DMA), keys p >= rem re-pointed at key 0 (compare, copy, predicated copy);
+     one indirect DMA gathers the tile's latents C [128 keys, r], one more their key scales S [128 keys, Hkv] with
+     the same indices;
   2. C^T [r, 128 keys] by RC PE transposes into one PSUM bank, copied to SBUF as fp32;
-  3. scores [128 keys, H] = RC accumulating fp32 matmuls (stationary C^T chunk, moving q~^T
-     chunk), times S broadcast over the G heads of each group (keys are the partitions here, so
-     the per-key, per-group scale is one stride-0 operand), PE-transposed to [H, 128 keys];
-  4. range_select keeps keys 128 t + j < L_b and puts FP32_MIN elsewhere (selection, never a
-     product), giving the tile's row max in the same instruction;
-  5. online softmax: -m_new = min(-m, -rowmax); alpha = exp(m - m_new); p = exp(score - m_new)
-     with its row sum from the same ScalarE instruction; l = alpha l + rowsum. The running max
-     starts at FP32_MIN and tile maxima are >= FP32_MIN, so the state is never infinite and
-     -inf - -inf cannot occur;
-  6. p^T [128 keys, H] by one PE transpose; U = alpha U + p^T^T C: one matmul whose moving
-     operand is C [128 keys, r] as gathered, so the sum stays in latent space.
-- After the last tile: u = U / l, u^T by RC PE transposes, out_b = Hkv x RC matmuls into one
-  PSUM bank [G, Hkv * hd] (stationary u^T of group g, moving W_v,g^T chunk), one DMA to out[b].
-PSUM: 7 sites of one 2 KiB bank each (a scratch bank for setup and per-sequence work, the output
-bank, and per tile C^T, scores, scores^T, p^T, p^T C). SBUF per partition at full size: 20.4 KiB
-at bucket 2304, 21.8 KiB at 16640 (FP8 cache: 20.6 and 22.0 KiB).
+  3. scores [128 keys, H] = RC accumulating fp32 matmuls (stationary C^T chunk, moving q~^T chunk), times S
+     broadcast over the G heads of each group (keys are the partitions here, so the per-key, per-group scale is one
+     stride-0 operand), PE-transposed to [H, 128 keys];
+  4. range_select keeps keys j < rem and puts FP32_MIN elsewhere (selection, never a product), giving the tile's
+     row max in the same instruction;
+  5. online softmax: -m_new = min(-m, -rowmax); alpha = exp(m - m_new); p = exp(score - m_new) with its row sum
+     from the same ScalarE instruction; l = alpha l + rowsum; -m = -m_new. The running max starts at FP32_MIN and
+     tile maxima are >= FP32_MIN, so the state is never infinite and -inf - -inf cannot occur;
+  6. p^T [128 keys, H] by one PE transpose; U = alpha U + p^T^T C: one matmul whose moving operand is C [128 keys,
+     r] as gathered, so the sum stays in latent space; rem -= 128.
+- After the row's last tile: u = U / l, u^T by RC PE transposes, out_b = Hkv x RC matmuls into one PSUM bank
+  [G, Hkv * hd] (stationary u^T of group g, moving W_v,g^T chunk), one DMA to out[b].
+PSUM: 7 sites of one 2 KiB bank each (a scratch bank for setup and per-row work, the output bank, and per tile C^T,
+scores, scores^T, p^T, p^T C). SBUF per partition at full size: ~20 KiB whatever the bucket.
 
 FP8 latent cache (`latent_scales` given: codes float8_e4m3, |code| <= 240, c_i = d_i * code_i; the op's
 docstring). The tile moves as FP8, 1 B per element (half of bf16's HBM bytes), and its keys' d_i
@@ -57,18 +78,19 @@ instruction of its own:
   5'. p stays fp32 (the activation's output) and is PE-transposed as fp32;
   6'. p^T d_i is the PSUM eviction (tensor_scalar, instead of the tensor_copy), rounded once to bf16,
      the stationary of the bf16 x bf16 matmul with C.
-Per tile: 3 DMAs, the same PE instructions, 10 ScalarE/VectorE instructions (the upcast). (FP8 x bf16
-matmul operands are allowed on trn2, but C^T needs the bf16 copy anyway.)
-Masked keys never put a NaN into a product: a skipped gather leaves the zeroed or an earlier
-tile's (finite) rows in its buffer, selection replaces their scores, and their p = 0 meets only
-finite latents (and finite d_i) in p^T C.
+Per tile: 4 DMAs, the same PE instructions, one more VectorE instruction (the upcast).
 
-DMA traffic per call (HBM side; `latent_decode_cost` gives the formulas): the latents and key
-scales (and an FP8 cache's dequantization scales) of the L_b valid keys of every sequence exactly
-once (skipped rows move nothing), the row table (4 B x bucket per sequence), q, out, both weights
-and gamma once, seq_lens x 128. The analytic minimum is the same without the row table and the
-seq_lens broadcast: at full size, B = 32 and 2k-16k context the kernel moves at most 0.9% more.
-Per valid key at full size: 512 + 16 B with a bf16 cache, 256 + 16 + 4 B with an FP8 one.
+DMA traffic per call (HBM side; `latent_decode_cost` gives the formulas, equal to the emulator's counters): per row
+ceil(L_b / 128) tiles of 128 keys (latents, key scales, an FP8 cache's dequantization scales, 4 B of row index each),
+L_b and the row of key 0 broadcast (2 x 512 B), q and out; per core the weights and gamma once. The analytic minimum
+is every valid key's latent and scales once, q, out, the weights and gamma: at full size, B = 32 and 2k-16k context
+the kernel moves at most 0.9% more. Per valid key at full size: 512 + 16 B with a bf16 cache, 256 + 16 + 4 B with an
+FP8 one. The time is not the bytes' (docs/kernels.md, cost table): every key is its own descriptor in each gather
+(512 B of latents, 16 B of key scales, 4 B of row index, 4 B of d_i), so in the emulator's DMA model (per descriptor
+22.3 ns + bytes at 23 B/ns) a tile keeps the busiest DMA engine ~720 ns (bf16) where its 68 KB alone would take
+~185 ns: the kernel is descriptor-bound, ~4x the bytes' minimum time, and an FP8 cache, with its extra 4-byte gather,
+is no faster by this measure though it moves 1.9x fewer bytes. Gathering whole blocks (bs keys per descriptor, key
+scales stored beside the latents) would fix that; it needs the cache layout to change (docs/kernels.md).
 
 Numerics contract. The only rounding below fp32 is p, cast to the cache dtype for the p^T C matmul (its
 operands must pair with the latents; with an FP8 cache p d_i, cast to bf16); q~, C^T (copied out as
@@ -80,11 +102,13 @@ reference is the dequantized latents c_i = d_i code_i: the codes enter both matm
 d_i s_g,i is fp32, and the one rounding is p_i d_i (formed in fp32) to bf16, so out_h moves by at most
 2^-8 sum_i p_i |v_i| as with bf16 (the FP8 quantization itself is the cache's, not the kernel's). The
 score path stays in fp32 because q~ . c cancels heavily: rounding q~ to bf16 as well costs several times
-that error (docs/kernels.md).
-Bit-exact: every sequence of a batch runs the same instruction sequence on the same shapes
-(nothing is batched across sequences), so each output row equals the sequence's single-sequence
-run; NaN or garbage in cache rows, key scales, dequantization scales or table entries past L_b
-changes no bit.
+that error (docs/kernels.md). That assumes TensorE forms fp32 products exactly; the docs do not say how it does
+(UNCONFIRMED). Under the emulator's models of a device whose fp32 operands are rounded to tf32 or bf16 and whose exp
+is off by 2^-10, the error stays within 4 u + 2^-10 x 4 (+ 2^-8 with a 16-bit cache) of max |out| per sequence
+(tests/test_latent_decode_nki.py::test_tolerance_holds_under_device_numerics).
+Bit-exact: every sequence of a batch runs the same instruction sequence on the same shapes (nothing is batched across
+sequences), on either core at LNC=2, so each output row equals the sequence's single-sequence run at any LNC; NaN or
+garbage in cache rows, key scales, dequantization scales or table entries past L_b changes no bit.
 """
 
 from __future__ import annotations
@@ -98,8 +122,7 @@ from vllm_trn_plugin.kernels.latent_decode import AbsorbedWeights, PagedLatents,
 from vllm_trn_plugin.kernels.nki_shim import nisa, nki, nl
 
 P = 128  # partitions; keys per tile
-LNC_DEGREES = (1,)  # the LNC degrees the kernel runs at (kernels/nki_ops.py refuses a deployment at another)
-NBUF = 2  # gather buffers: the next tile's DMA need not wait for the previous tile's last read
+LNC_DEGREES = (1, 2)  # the LNC degrees the kernel runs at (kernels/nki_ops.py refuses a deployment at another)
 BUCKETS = (2304, 4352, 8448, 16640)  # context buckets (keys); each a whole number of 128-key tiles
 FLT_MAX = 3.4028234663852886e38
 
@@ -109,17 +132,18 @@ def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, 
     """Absorbed latent decode attention for B sequences of one query token each.
 
     q [B, H, hd] (after q_norm), gamma [hd] (k_norm weight), w_k / w_v [Hkv, hd, r],
-    cache [N, r] latents, key_scales [N, Hkv] fp32, rows [B, bucket] int32 (row of key i),
-    seq_lens [B] int32 (1 <= L_b <= bucket), scale: float; latent_scales [N] or [N, 1] fp32 with an FP8
-    cache (its per-key dequantization scales d_i), None with a float cache. Returns out [B, H, hd] fp32.
-    B, the bucket (rows.shape[1], a multiple of 128) and all sizes are compile-time; limits:
-    hd <= 128, H <= 128, r a multiple of 128 and <= 512, Hkv * hd <= 512 (one PSUM bank each for
-    p^T C and the output). Tiling and numerics: the module docstring.
+    cache [N, r] latents, key_scales [N, Hkv] fp32, rows [B, bucket] int32 (row of key i; only i < L_b is read),
+    seq_lens [B] int32 (1 <= L_b <= bucket), scale: float; latent_scales [N] fp32 with an FP8 cache (its per-key
+    dequantization scales d_i), None with a float cache. Returns out [B, H, hd] fp32.
+    The shapes are compile-time, the lengths are not: B and the bucket (rows.shape[1], a multiple of 128) size no
+    loop of the program (both loops are `nl.fori_loop`s, the tile loop's trip count ceil(L_b / 128) loaded at run
+    time). At LNC=2 program p decodes its half of the batch rows. Limits: hd <= 128, H <= 128, r a multiple of 128
+    and <= 512, Hkv * hd <= 512 (one PSUM bank each for p^T C and the output). Tiling and numerics: the module
+    docstring.
     """
     B, H, hd = q.shape
     Hkv, _, r = w_k.shape
     G = H // Hkv
-    n_rows = cache.shape[0]
     bucket = rows.shape[1]
     NT = bucket // P
     RC = r // P
@@ -127,13 +151,17 @@ def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, 
     f32 = nl.float32
     fp8 = latent_scales is not None  # an FP8 cache (the wrapper checks the pairing: check_latent_scales)
     mdt = nl.bfloat16 if fp8 else cdt  # dtype of the latents' PE operands (the TensorE has no FP8 transpose)
-    out = nl.ndarray((B, H, hd), dtype=f32, buffer=nl.shared_hbm)
+    # LNC: program p takes the batch rows [b0, b1) (contiguous halves; the last program may get one row fewer, or
+    # none at B = 1). Every row is decoded by the same instructions on either core, so the split changes no bit.
+    n_prog, prog = nl.num_programs(0), nl.program_id(0)
+    per = -(-B // n_prog)
+    b0, b1 = min(B, prog * per), min(B, (prog + 1) * per)
+    out = nl.ndarray((B, H, hd), dtype=f32, buffer=nl.shared_hbm)  # one tensor, each program writes its rows
+    row_tiles = rows.reshape((B * NT, P))  # tile n of the flat table: keys 128 (n % NT) + p of row n // NT
 
     # ---- once per call ----
     gam = nl.ndarray((hd, 1), dtype=f32, buffer=nl.sbuf)
     nisa.dma_copy(dst=gam, src=gamma.ap([[1, hd], [1, 1]]))
-    lens = nl.ndarray((P, B), dtype=f32, buffer=nl.sbuf)  # L_b on every partition
-    nisa.dma_copy(dst=lens, src=seq_lens.ap([[0, P], [1, B]]))
     wk = nl.ndarray((hd, Hkv, r), dtype=f32, buffer=nl.sbuf)
     nisa.dma_copy(dst=wk, src=w_k.ap([[r, hd], [hd * r, Hkv], [1, r]]))
     wv = nl.ndarray((hd, Hkv, r), dtype=f32, buffer=nl.sbuf)
@@ -145,31 +173,35 @@ def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, 
         for c in range(RC):
             nisa.nc_transpose(dst=scratch[:, 0:hd], data=wv[:, g, c * P : (c + 1) * P])
             nisa.tensor_copy(dst=wvT[:, c, g, :], src=scratch[:, 0:hd])
-    key_idx = nl.ndarray((P, NT), dtype=nl.int32, buffer=nl.sbuf)  # key index 128 t + p
-    nisa.iota(dst=key_idx, pattern=[[P, NT]], offset=0, channel_multiplier=1)
+    part_idx = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)  # p: a key's place in its tile
+    nisa.iota(dst=part_idx, pattern=[[0, 1]], offset=0, channel_multiplier=1)
     zero_col = nl.ndarray((H, 1), dtype=f32, buffer=nl.sbuf)
     nisa.memset(dst=zero_col, value=0.0)
-    c_buf = nl.ndarray((P, NBUF, r), dtype=cdt, buffer=nl.sbuf)
-    nisa.memset(dst=c_buf, value=0.0)
-    s_buf = nl.ndarray((P, NBUF, Hkv), dtype=f32, buffer=nl.sbuf)
-    nisa.memset(dst=s_buf, value=0.0)
-    if fp8:
-        d_buf = nl.ndarray((P, NBUF, 1), dtype=f32, buffer=nl.sbuf)  # d_i, keys on partitions
-        nisa.memset(dst=d_buf, value=0.0)
+    # first / end tile number (in row_tiles) of the running row: b * NT and b * NT + ceil(L_b / 128)
+    tile_lo = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.memset(dst=tile_lo, value=b0 * NT)
+    tile_hi = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    lo_reg = nisa.register_alloc(0)
+    hi_reg = nisa.register_alloc(0)
 
-    for b in range(B):
-        # ---- row indices: rows past L_b become the out-of-range row (never read) ----
-        rows_sb = nl.ndarray((P, NT), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=rows_sb, src=rows.ap([[1, P], [P, NT]], offset=b * bucket))
-        valid = nl.ndarray((P, NT), dtype=nl.uint8, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=valid, data=key_idx, op0=nl.less, operand0=lens[:, b : b + 1])
-        idx = nl.ndarray((P, NT), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.memset(dst=idx, value=n_rows)
-        nisa.tensor_copy_predicated(dst=idx, src=rows_sb, predicate=valid)
+    def sequence(b: Any) -> None:
+        # ---- this row's length, its first key's row, its tile range ----
+        # rem = L_b - 128 t on every partition (fp32, exact): the keys of tile t with p < rem are real
+        rem = nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rem, src=seq_lens.ap([[0, P], [1, 1]], offset=0, scalar_offset=b, indirect_dim=0))
+        # masked keys of the last tile are pointed at the row's key 0 (real: L_b >= 1), never past L_b
+        first = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=first, src=rows.ap([[0, P], [1, 1]], offset=0, scalar_offset=b, indirect_dim=0))
+        n_tiles = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)  # ceil(L_b / 128) = (L_b + 127) >> 7
+        nisa.tensor_scalar(dst=n_tiles, data=rem[0:1, 0:1], op0=nl.add, operand0=float(P - 1))
+        nisa.tensor_scalar(dst=n_tiles, data=n_tiles, op0=nl.right_shift, operand0=7)
+        nisa.tensor_tensor(dst=tile_hi, data1=tile_lo, data2=n_tiles, op=nl.add)
+        nisa.register_load(lo_reg, tile_lo)
+        nisa.register_load(hi_reg, tile_hi)
 
         # ---- q~^T [r, H] = W_k,g^T (gamma * scale * q_h) ----
         q_sb = nl.ndarray((H, hd), dtype=f32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=q_sb, src=q[b])
+        nisa.dma_copy(dst=q_sb, src=q.ap([[hd, H], [1, hd]], offset=0, scalar_offset=b, indirect_dim=0))
         nisa.nc_transpose(dst=scratch[0:hd, 0:H], data=q_sb)
         qg = nl.ndarray((hd, H), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_scalar(
@@ -191,31 +223,29 @@ def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, 
         nisa.memset(dst=U, value=0.0)
         l_sum = nl.ndarray((H, 1), dtype=f32, buffer=nl.sbuf)
         nisa.memset(dst=l_sum, value=0.0)
-        # -running max, ping-pong by tile parity; it starts at FP32_MIN, not -inf, so no softmax
-        # state is ever infinite (m_old - m_new = -inf - -inf cannot occur)
-        neg_m = nl.ndarray((H, 2), dtype=f32, buffer=nl.sbuf)
-        nisa.memset(dst=neg_m[:, 0:1], value=FLT_MAX)
+        # -running max; it starts at FP32_MIN, not -inf, so no softmax state is ever infinite (m_old - m_new =
+        # -inf - -inf cannot occur)
+        neg_m = nl.ndarray((H, 1), dtype=f32, buffer=nl.sbuf)
+        nisa.memset(dst=neg_m, value=FLT_MAX)
 
-        for t in range(NT):
-            k = t % NBUF
-            c_t = c_buf[:, k, :]
-            s_t = s_buf[:, k, :]
-            nisa.dma_copy(
-                dst=c_t,
-                src=cache.ap([[r, P], [1, r]], offset=0, vector_offset=idx[:, t : t + 1], indirect_dim=0),
-                oob_mode=nisa.oob_mode.skip,
-            )
-            nisa.dma_copy(
-                dst=s_t,
-                src=key_scales.ap([[Hkv, P], [1, Hkv]], offset=0, vector_offset=idx[:, t : t + 1], indirect_dim=0),
-                oob_mode=nisa.oob_mode.skip,
-            )
+        def tile(t: Any) -> None:
+            # the tile's row indices; keys p >= rem (past L_b) take the row of key 0 instead
+            idx_t = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=idx_t, src=row_tiles.ap([[1, P], [1, 1]], offset=0, scalar_offset=t, indirect_dim=0))
+            valid = nl.ndarray((P, 1), dtype=nl.uint8, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=valid, data=part_idx, op0=nl.less, operand0=rem)
+            idx = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=idx, src=first)
+            nisa.tensor_copy_predicated(dst=idx, src=idx_t, predicate=valid)
+            # every index is a row of this sequence: no access out of bounds, no reliance on oob_mode.skip
+            c_t = nl.ndarray((P, r), dtype=cdt, buffer=nl.sbuf)
+            nisa.dma_copy(dst=c_t, src=cache.ap([[r, P], [1, r]], offset=0, vector_offset=idx, indirect_dim=0))
+            s_t = nl.ndarray((P, Hkv), dtype=f32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=s_t, src=key_scales.ap([[Hkv, P], [1, Hkv]], offset=0, vector_offset=idx, indirect_dim=0))
             if fp8:
-                d_t = d_buf[:, k, :]
+                d_t = nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf)
                 nisa.dma_copy(
-                    dst=d_t,
-                    src=latent_scales.ap([[1, P], [1, 1]], offset=0, vector_offset=idx[:, t : t + 1], indirect_dim=0),
-                    oob_mode=nisa.oob_mode.skip,
+                    dst=d_t, src=latent_scales.ap([[1, P], [1, 1]], offset=0, vector_offset=idx, indirect_dim=0)
                 )
                 # the codes as bf16 (exact: every E4M3 value is a bf16 value), on chip: the DMA moved 1 B each
                 c_mm = nl.ndarray((P, r), dtype=mdt, buffer=nl.sbuf)
@@ -251,8 +281,8 @@ def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, 
             scT_ps = nl.ndarray((H, P), dtype=f32, buffer=nl.psum)  # heads on partitions
             nisa.nc_transpose(dst=scT_ps, data=sc.reshape((P, H)))
 
-            # keys j + 128 t >= L_b -> FP32_MIN by selection; the tile's row max comes out of the
-            # same instruction (finite: every row keeps FP32_MIN at worst)
+            # keys j >= rem (past L_b) -> FP32_MIN by selection; the tile's row max comes out of the same
+            # instruction (finite: every row keeps FP32_MIN at worst)
             s_m = nl.ndarray((H, P), dtype=f32, buffer=nl.sbuf)
             t_max = nl.ndarray((H, 1), dtype=f32, buffer=nl.sbuf)
             nisa.range_select(
@@ -260,18 +290,17 @@ def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, 
                 on_true_tile=scT_ps,
                 comp_op0=nl.less,
                 comp_op1=nl.greater_equal,
-                bound0=lens[0:H, b : b + 1],
+                bound0=rem[0:H, :],
                 bound1=zero_col,
                 reduce_cmd=nisa.reduce_cmd.reset_reduce,
                 reduce_res=t_max,
                 reduce_op=nl.maximum,
-                range_start=t * P,
+                range_start=0,
             )
-            nm_old = neg_m[:, t % 2 : t % 2 + 1]
-            nm_new = neg_m[:, (t + 1) % 2 : (t + 1) % 2 + 1]
-            nisa.tensor_scalar(dst=nm_new, data=t_max, op0=nl.multiply, operand0=-1.0, op1=nl.minimum, operand1=nm_old)
+            nm_new = nl.ndarray((H, 1), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=nm_new, data=t_max, op0=nl.multiply, operand0=-1.0, op1=nl.minimum, operand1=neg_m)
             alpha = nl.ndarray((H, 1), dtype=f32, buffer=nl.sbuf)  # exp(m_old - m_new)
-            nisa.activation(dst=alpha, op=nl.exp, data=nm_old, bias=nm_new, scale=-1.0)
+            nisa.activation(dst=alpha, op=nl.exp, data=neg_m, bias=nm_new, scale=-1.0)
             p = nl.ndarray((H, P), dtype=f32 if fp8 else cdt, buffer=nl.sbuf)
             row_sum = nl.ndarray((H, 1), dtype=f32, buffer=nl.sbuf)
             nisa.activation(
@@ -284,6 +313,7 @@ def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, 
                 reduce_res=row_sum,
                 reduce_cmd=nisa.reduce_cmd.reset_reduce,
             )
+            nisa.tensor_copy(dst=neg_m, src=nm_new)  # the state for the next tile (no ping-pong by tile parity)
             nisa.scalar_tensor_tensor(
                 dst=l_sum, data=l_sum, op0=nl.multiply, operand0=alpha, op1=nl.add, operand1=row_sum
             )
@@ -298,6 +328,9 @@ def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, 
             u_ps = nl.ndarray((H, r), dtype=f32, buffer=nl.psum)
             nisa.nc_matmul(dst=u_ps, stationary=pT, moving=c_mm, accumulate=False)
             nisa.scalar_tensor_tensor(dst=U, data=U, op0=nl.multiply, operand0=alpha, op1=nl.add, operand1=u_ps)
+            nisa.tensor_scalar(dst=rem, data=rem, op0=nl.subtract, operand0=float(P))
+
+        nl.fori_loop(lo_reg, hi_reg, tile)
 
         # ---- out_b = W_v,g (U / l) ----
         inv_l = nl.ndarray((H, 1), dtype=f32, buffer=nl.sbuf)
@@ -321,7 +354,12 @@ def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, 
         o_sb = nl.ndarray((G, Hkv * hd), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=o_sb, src=o_ps)
         # head h = g * G + j sits at [j, g * hd + d]
-        nisa.dma_copy(dst=out.ap([[hd, G], [G * hd, Hkv], [1, hd]], offset=b * H * hd), src=o_sb)
+        nisa.dma_copy(
+            dst=out.ap([[hd, G], [G * hd, Hkv], [1, hd]], offset=0, scalar_offset=b, indirect_dim=0), src=o_sb
+        )
+        nisa.tensor_scalar(dst=tile_lo, data=tile_lo, op0=nl.add, operand0=float(NT))  # the next row's tiles
+
+    nl.fori_loop(b0, b1, sequence)
     return out
 
 
@@ -406,33 +444,61 @@ def latent_decode_cost(
     w_bytes: int = 2,
     gamma_bytes: int = 2,
     fp8: bool = False,
-) -> dict[str, int]:
-    """Per-call cost of `latent_decode_kernel` for a batch with these context lengths.
+    lnc: int = 1,
+) -> dict[str, Any]:
+    """Per-call cost of `latent_decode_kernel` for a batch with these context lengths, launched at LNC `lnc`.
 
-    `cache_bytes` is the latent cache's element size; `fp8=True` is an FP8 cache (1 byte per latent
-    element whatever `cache_bytes` says, plus its 4-byte dequantization scale per key, one more
-    gather per tile). DMA bytes are counted on the HBM side, skipped (out-of-range) gather rows move
-    nothing. Returns HBM->SBUF and SBUF->HBM bytes, their sum `dma_bytes`, the analytic minimum
-    `dma_bytes_min` (every valid latent, key scale and dequantization scale once, q, out, weights,
-    gamma), `latent_bytes` (the latent elements of the valid keys, the part FP8 halves against bf16),
-    the DMA, matmul and PE-transpose instruction counts and the matmuls' multiply-accumulates.
+    `cache_bytes` is the latent cache's element size; `fp8=True` is an FP8 cache (1 byte per latent element whatever
+    `cache_bytes` says, plus its 4-byte dequantization scale per key, one more gather per tile). Each sequence runs
+    ceil(L_b / 128) tiles of 128 gathered keys (the last tile's keys past L_b gather the sequence's key 0). Returns the
+    emulator's counters (kernels/kernel_cost.py: DMA bytes HBM->SBUF and SBUF->HBM and their sum `dma_bytes`,
+    DMA instructions and descriptors, `dma_transfer_ns` / `dma_time_ns`, matmul and PE-transpose instructions,
+    multiply-accumulates, emitted and executed instructions) summed over the programs, each program's under
+    `programs` (program p decodes the p-th contiguous half of the rows), the slowest core's DMA times, and the
+    analytic minimum: `dma_bytes_min` (every valid latent, key scale and dequantization scale once, q, out, weights,
+    gamma) and `dma_time_min_ns`, that minimum split evenly over the cores at their full DMA rate. `latent_bytes` is
+    the latent elements of the valid keys, the part FP8 halves against bf16.
     """
+    from vllm_trn_plugin.kernels.kernel_cost import Tally, busiest, combine, min_time_ns
+
     B, n_keys = len(seq_lens), sum(seq_lens)
     bucket = pick_bucket(max(seq_lens)) if bucket is None else bucket
-    NT, RC = bucket // P, r // P
+    RC, G = r // P, H // Hkv
     latent_bytes = r * (1 if fp8 else cache_bytes)
     per_key = latent_bytes + Hkv * 4 + (4 if fp8 else 0)
     weights = 2 * Hkv * hd * r * w_bytes
-    to_sbuf = hd * gamma_bytes + P * B * 4 + weights + B * (bucket * 4 + H * hd * q_bytes) + n_keys * per_key
-    to_hbm = B * H * hd * 4
-    return {
-        "dma_hbm_to_sbuf_bytes": to_sbuf,
-        "dma_sbuf_to_hbm_bytes": to_hbm,
-        "dma_bytes": to_sbuf + to_hbm,
-        "dma_bytes_min": n_keys * per_key + B * H * hd * (q_bytes + 4) + weights + hd * gamma_bytes,
-        "latent_bytes": n_keys * latent_bytes,
-        "dma_instructions": 4 + B * (3 + (3 if fp8 else 2) * NT),
-        "matmul_instructions": B * (2 * RC * Hkv + NT * (RC + 1)),
-        "transpose_instructions": Hkv * RC + B * (1 + RC + NT * (RC + 2)),
-        "matmul_macs": B * (2 * H * hd * r + NT * 2 * P * H * r),
-    }
+    # instructions of the program text (module docstring): once, per sequence, per tile
+    once = 8 + 2 * Hkv * RC
+    per_row = 20 + 2 * RC * Hkv + RC
+    per_tile = 20 + 2 * RC + (2 if fp8 else 0)
+    per = -(-B // lnc)
+    programs = []
+    for prog in range(lnc):
+        rows = seq_lens[min(B, prog * per) : min(B, (prog + 1) * per)]
+        tiles = sum(-(-L // P) for L in rows)
+        n = len(rows)
+        t = Tally()
+        t.dma(1, hd, gamma_bytes, busiest(0, hd))  # gamma: one element per partition
+        t.dma(2, hd * Hkv, r * w_bytes, busiest(0, hd, Hkv))  # W_k, W_v: a row of r per (partition, group)
+        t.dma(2 * n, P, 4, busiest(0, P))  # L_b and the row of key 0, broadcast to the partitions
+        t.dma(n, H, hd * q_bytes, busiest(0, H))  # q_b
+        t.dma(n, G * Hkv, hd * 4, busiest(0, G, Hkv), to_hbm=True)  # out_b: one head row per (partition, group)
+        t.dma(tiles, P, 4, busiest(0, P))  # the tile's row indices
+        t.dma(tiles, P, latent_bytes, busiest(0, P))  # latents: one row per key
+        t.dma(tiles, P, Hkv * 4, busiest(0, P))  # key scales
+        t.dma(tiles if fp8 else 0, P, 4, busiest(0, P))  # dequantization scales
+        t.add(
+            matmul_instructions=n * 2 * RC * Hkv + tiles * (RC + 1),
+            transpose_instructions=Hkv * RC + n * (1 + RC) + tiles * (RC + 2),
+            matmul_macs=n * 2 * H * hd * r + tiles * 2 * P * H * r,
+            emitted_instructions=once + 1 + per_row + 1 + per_tile,
+            executed_instructions=once + 1 + n * (per_row + 1) + tiles * per_tile,
+        )
+        programs.append(t.result())
+    dma_min = n_keys * per_key + B * H * hd * (q_bytes + 4) + weights + hd * gamma_bytes
+    return combine(
+        programs,
+        dma_bytes_min=dma_min,
+        dma_time_min_ns=min_time_ns(dma_min / lnc),
+        latent_bytes=n_keys * latent_bytes,
+    )

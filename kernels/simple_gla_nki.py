@@ -1,5 +1,6 @@
-"""Simple GLA decode step (Laplace's mixer, one token per sequence) as an NKI 0.6 kernel for trn2: the kernel
-`gla_decode_kernel`, its host wrapper `gla_decode_nki` and its cost formula `gla_decode_cost`.
+"""Simple GLA decode step (Laplace's mixer, one token per sequence) as an NKI kernel for trn2 (NKI 0.7/0.8: compiled
+`nl.fori_loop`s, LNC=1 or 2): the kernel `gla_decode_kernel`, its host wrapper `gla_decode_nki` and its cost formula
+`gla_decode_cost`.
 
 Math, per sequence b of the batch and head h (lambda_h = exp(log_decay[h]), S_h in fp32)::
 
@@ -19,78 +20,86 @@ not be); the pool as rows [num_slots, E], E >= H*dk*dv, slot s's state at row s,
 the GLA state first, then the conv window, so E = page size / 4 and the rows alias the pool, see
 `state_rows`); slots [B] int32; scale (compile-time float).
 
-Tiling (H <= 128, dk <= 128, dv <= 512; Laplace: H = 16, dk = 96, dv = 192):
-- Per sequence the whole state sits in SBUF as S [dk, H, dv] fp32: dk on partitions, (head,
-  dv) on the free axis, 12 KiB per partition at the Laplace shape. One DMA brings it in and one
-  writes it back, each addressing the pool through `.ap(scalar_offset=<1x1 SBUF tile holding
-  slots[b]>)` with `oob_mode.skip`: a slot of -1 is out of bounds, so the padding row's state is
-  never read and never written. Every partition moves H runs of dv*4 contiguous bytes (768 B).
-- k v^T per head: `nc_matmul` with a one-partition contraction, stationary = k row [1, dk],
-  moving = v row [1, dv] (both on partition 0, in the input dtype) -> PSUM [dk, dv] fp32 (one
-  bank). Then S_h = (S_h * lambda_h) + kv in one `scalar_tensor_tensor` (VectorE, lambda_h from a
-  [dk, H] SBUF tile broadcast from lam by DMA).
-- q^T S per head, with the H outputs of a sequence landing on H partitions: stationary = Qmask_h
-  [dk, H], whose column h is q_h and all other columns are 0; moving = S_h [dk, dv]; the H matmuls
-  of a sequence accumulate into one PSUM tile O [H, dv] (one bank), row h = q_h^T S_h (the other
-  heads add exact zeros). Qmask for a group of G = 128 // H sequences is built once: q rows
-  [G*H, dk] -> `nc_transpose` (PE) -> copied onto the diagonal of a zeroed [dk, G, H, H] fp32
-  tile (8 KiB per partition for H = 16; zeroed once per call, only the diagonal is rewritten).
-- Self-augmentation per group, heads on partitions: q, k as [H, G, dk] (DMA runs of dk
-  elements), (q * aug) * k on VectorE, sum over dk (`tensor_reduce`), sigmoid (ScalarE) ->
-  g [H, G]. Per sequence: g*v on v [H, dv] (`tensor_scalar`), then
-  o = (O * scale) + g*v (`scalar_tensor_tensor`, PSUM -> SBUF, cast to the output dtype on write).
-- Output rows go out with the same skip trick: o[b] is written from o_sb through a 1x1 offset
-  that is b for a real row and -1 for padding, and a zero tile is written through the
-  complementary offset, so each row is written exactly once. These offsets come from slots in
-  SBUF (`tensor_scalar`/`iota`, exact small integers in fp32).
-- Loops are Python loops (unrolled; B, H compile-time): groups of G sequences, sequences, heads.
-- PSUM: 3 allocation sites of one bank each (q transpose [dk, G*H], kv [dk, dv], O [H, dv]).
-  SBUF per partition at the Laplace shape: S 12 KiB, Qmask 8 KiB, a few KiB of rows and gates.
+Layout (`head_groups`): the heads are worked in groups of HG = H / 2 (H odd: all H), each group's state on HG * M
+<= 128 partitions, partition (h, m) holding rows m J .. m J + J - 1 of head h's [dk, dv] state (M the largest divisor
+of dk that fits, J = dk / M; Laplace: HG = 8, M = 16, J = 6). Those J rows are contiguous in the slot's row, so one
+DMA brings a group's state in and one writes it back with one descriptor per partition of J dv 4 bytes (4.6 KiB at
+Laplace's shape; before, dk on the partitions: one 768-byte descriptor per head and partition, ~60 % of the DMA
+engines' rate in the emulator's model against ~90 %), over all 16 DMA engines.
 
-Instruction counts per call (n_groups = ceil(B / G)): 2*B*H matmuls (kv and q^T S) plus n_groups
-PE transposes; per head one VectorE op; per sequence 7 DMAs (2 state, 3 k/v rows, 2 output of
-which one is skipped) and 2 VectorE ops; per group 3 DMAs and 6 on-chip ops.
+Per group of a real row (tiling; H <= 128, dk <= 128, dv <= 512):
+- S [NP, J, dv] fp32 (NP = HG M) in; q and k in the same layout, qq, kk [NP, J] (one run of J per partition); v as
+  [HG, dv] (heads on partitions), spread onto each head's M partitions by one matmul with a 0/1 matrix (exact: a
+  single product by 1.0 per element, v's bf16 values exact at any operand width).
+- S = (S * lambda_h) + k_c v_e: the product in one VectorE tensor_tensor (both operands stride-0 broadcasts), the
+  update in one scalar_tensor_tensor (lambda a per-partition scalar): two fp32 roundings, torch's `lam * S + kv`
+  exactly. S back to its slot.
+- q^T S: J accumulating matmuls, stationary j = [NP, HG] with column h = q_h's row m J + j on head h's partitions
+  and 0 elsewhere (qq times a 0/1 head mask, one VectorE op), moving S[:, j, :] -> O [HG, dv] (heads on partitions).
+- gate: (q * aug) * k summed over J per partition (two VectorE ops, one reduce), then over a head's M partitions by
+  a matmul with the 0/1 head mask, sigmoid (ScalarE) -> g [HG, 1]; o = (O * scale) + g v (PSUM -> SBUF, cast).
+- o[b] of the group's heads: one DMA, for a padding row the zeros the row body set.
+- PSUM: 3 allocation sites (v spread [NP, dv], O [HG, dv], logit [HG, 1]). SBUF per partition at Laplace's shape:
+  S and kv 4.6 KiB each, a few hundred bytes of masks and rows.
 
-DMA traffic per call (bytes, HBM side; R = B - #padding rows, isz = q/k/v itemsize,
-osz = output itemsize): state 2*R*H*dk*dv*4 + q 2*B*H*dk*isz (rows for the transpose, head layout
-for the gate) + k 2*B*H*dk*isz + v 2*B*H*dv*isz + o B*H*dv*osz + aug, lam, slots. The analytic
-minimum is the state traffic (2*R*H*dk*dv*4, the op must read and write each real state once) +
-one read of q, k, v + one write of o; the extra reads of q, k and v cost B*H*(2dk+dv)*isz: the
-total is 0.5 % above the minimum at the Laplace shape in bf16 (B = 8 or 32; 0.8 % at B = 1, where
-the [dk, H] broadcast of lam counts). See `gla_decode_cost`. TensorE does 2*B*H small matmuls
-(the one-partition k v^T uses 1/128 of the array) but the state DMA dominates: 72 KiB per head
-each way against two matmuls of dv = 192 columns.
+Loops and padding (NKI 0.7+: only `nl.fori_loop` stays a loop): the rows are one `fori_loop` (register b; q, k, v, o
+and the slot addressed with `.ap(scalar_offset=b)`), the head groups a Python loop (two bodies at LNC=1, one at
+LNC=2; H is fixed per model). A row's slot comes in as a (1, 1) tile, `slot >= 0` is loaded into a register, and all
+of the row's state work sits in `fori_loop(0, that register)`: one trip for a real row, none for a padding row (-1),
+whose state is therefore never addressed (no reliance on `oob_mode.skip`, whose bound and destination contents the
+docs leave open: docs/nki.md section 3.1); its q, k, v are not read and its output row is the zeros written
+before the loop. Emitted instructions: 66 at LNC=1, 40 at LNC=2 (Laplace), whatever B.
+
+LNC=2 (Trn2's default): program p takes heads [p H/2, (p+1) H/2) of every row (one head group). The group size does
+not depend on the LNC degree, so each program does exactly what the LNC=1 program does for that group: outputs and
+states are bit-identical to LNC=1. Each core moves half of every real state (the two cores write disjoint parts of a
+slot's row).
+
+DMA traffic per call (bytes, HBM side; R = B - #padding rows, isz = q/k/v itemsize, osz = output itemsize): state
+2*R*H*dk*dv*4 + q, k, v of the real rows once (R*H*(2dk+dv)*isz) + o B*H*dv*osz + aug, lam once per core + a slot
+number per row: within 0.1 % of the analytic minimum (each real state read and written once, q, k, v, o once). See
+`gla_decode_cost` (equal to the emulator's counters).
 
 Numerics contract (all math fp32):
-- S: bit-exact vs the reference. k v^T is a single product per PSUM element (exact for bf16
-  inputs; correctly rounded fp32 for fp32 inputs, like torch's k*v), and
-  `scalar_tensor_tensor` rounds (S * lambda) to fp32 and then the sum, exactly torch's
-  `lam * S + kv` (two separately rounded fp32 ops; no fused multiply-add on either side).
-  UNCONFIRMED on hardware: that VectorE rounds between op0 and op1 (the emulator and the NKI docs'
-  "compute in fp32" say so) and that an fp32 PE product is correctly rounded for fp32 inputs.
-- o: q^T S and the gate's sum over dk are fp32 sums in another order than torch's (PSUM
-  accumulation, VectorE reduction), so o agrees with the reference to fp32 roundoff (tests:
-  1e-6 of max|o|), and bf16 outputs to within one bf16 ulp
-  (a different fp32 value can round to the neighbouring bf16). Padding rows are +0.0 exactly.
-  The emulator sums each matmul exactly and rounds once; hardware PE accumulation of fp32
-  operands may round differently (UNCONFIRMED), which this tolerance may need to absorb.
-- A head whose state holds inf/NaN spreads NaN to the other heads of its sequence's output
-  (the masked matmul adds 0 * inf); the reference keeps it to that head. States of a real model
-  are finite (lambda < 1).
+- S: bit-exact vs the reference. k v^T is a single product per element (VectorE, correctly rounded fp32) and
+  `scalar_tensor_tensor` rounds (S * lambda) to fp32 and then the sum, exactly torch's `lam * S + kv` (two
+  separately rounded fp32 ops; no fused multiply-add on either side). UNCONFIRMED on hardware: that VectorE rounds
+  between op0 and op1 (the emulator and the NKI docs' "compute in fp32" say so), and for fp32 activations that TensorE
+  passes an fp32 value through a product by 1.0 exactly (the v spread; bf16 v is exact at any operand width).
+- o: q^T S and the gate's sum over dk are fp32 sums in another order than torch's (PSUM accumulation, VectorE
+  reductions), so o agrees with the reference to fp32 roundoff (tests: 1e-6 of max|o|), and bf16 outputs to within
+  one bf16 ulp. Padding rows are +0.0 exactly. The emulator sums each matmul exactly and rounds once; under its models
+  of a device whose fp32 TensorE operands are rounded to tf32 or bf16 and whose sigmoid is off by 2^-10, o stays
+  within 4 u + 2^-10 x 4 + 2^-8 of max |o| per row and the states stay bit-exact
+  (tests/test_simple_gla_nki.py::test_tolerance_holds_under_device_numerics).
+- A head whose state holds inf/NaN spreads NaN to the other heads of its group's output (the masked matmuls add
+  0 * inf); the reference keeps it to that head. States of a real model are finite (lambda < 1).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from vllm_trn_plugin.kernels.nki_shim import nisa, nki, nl
 
-LNC_DEGREES = (1,)  # the LNC degrees the kernel runs at (kernels/nki_ops.py refuses a deployment at another)
+LNC_DEGREES = (1, 2)  # the LNC degrees the kernel runs at (kernels/nki_ops.py refuses a deployment at another)
 
 PMAX = 128  # SBUF/PSUM partitions; also the stationary free size limit of nc_matmul
 MOVING_FMAX = 512  # nc_matmul moving free size limit on trn2 (one PSUM bank of fp32)
+
+
+def head_groups(H: int, dk: int) -> tuple[int, int, int]:
+    """(HG, M, J): heads per group, partitions per head, state rows per partition. A group of HG heads fills HG * M
+    <= 128 partitions, partition (h, m) holding rows m J .. m J + J - 1 of head h's [dk, dv] state (one contiguous
+    run of J dv fp32 in the slot's row). HG is H / 2 for an even H whatever the LNC degree, so one program at LNC=2
+    does exactly the work of one of the two groups a program does at LNC=1 (bit-identical results); M is the largest
+    divisor of dk that fits."""
+    HG = H // 2 if H % 2 == 0 else H
+    M = max(m for m in range(1, dk + 1) if dk % m == 0 and HG * m <= PMAX)
+    return HG, M, dk // M
 
 
 @nki.jit
@@ -99,130 +108,118 @@ def gla_decode_kernel(q, k, v, aug, lam, state, slots, scale):  # noqa: ANN001, 
 
     q, k [B, H, dk], v [B, H, dv] (bf16 or fp32); aug [H, dk]; lam [H] fp32; state [num_slots, E]
     fp32 with slot s's [H, dk, dv] state at state[s, :H*dk*dv]; slots [B] int32 (-1 = padding);
-    scale a compile-time float. Math, tiling and numerics: see the module docstring.
+    scale a compile-time float. The heads are worked in groups (`head_groups`); at LNC=2 program p takes heads
+    [p H/2, (p+1) H/2) of every row, one group. The batch is a `nl.fori_loop` (B sizes no code); a padding row's state
+    work sits in a zero-trip loop. Math, tiling and numerics: see the module docstring.
     """
     B, H, dk = q.shape
     dv = v.shape[2]
     E = state.shape[1]
     assert k.shape == (B, H, dk) and v.shape[:2] == (B, H) and aug.shape == (H, dk)
     assert H <= PMAX and dk <= PMAX and dv <= MOVING_FMAX and H * dk * dv <= E
-    G = max(1, PMAX // H)  # sequences per group: G*H rows of q fit the partitions
+    n_prog, prog = nl.num_programs(0), nl.program_id(0)
+    HG, M, J = head_groups(H, dk)
+    NP = HG * M  # partitions of a group's state tile
+    assert (H // HG) % n_prog == 0, f"{H} heads in groups of {HG} do not split over LNC={n_prog}"
+    groups = [prog * (H // n_prog) + g * HG for g in range(H // n_prog // HG)]  # first head of each of my groups
     f32 = nl.float32
 
-    o = nl.ndarray((B, H, dv), dtype=q.dtype, buffer=nl.shared_hbm)
+    o = nl.ndarray((B, H, dv), dtype=q.dtype, buffer=nl.shared_hbm)  # one tensor, each program writes its heads
 
-    # Constants: lambda broadcast to every partition of S, aug with heads on partitions.
-    lam_sb = nl.ndarray((dk, H), dtype=f32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=lam_sb, src=lam.ap([[0, dk], [1, H]], offset=0))
-    aug_sb = nl.ndarray((H, dk), dtype=f32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=aug_sb, src=aug)
-    zero_sb = nl.ndarray((H, dv), dtype=q.dtype, buffer=nl.sbuf)
-    nisa.memset(dst=zero_sb, value=0.0)
-    qmask = nl.ndarray((dk, G, H, H), dtype=f32, buffer=nl.sbuf)
-    nisa.memset(dst=qmask, value=0.0)
+    # onehot[p, h] = 1 if partition p belongs to head h of the group (p // M == h): masks the q^T S stationaries and
+    # sums a head's partitions; spread[h, p], its transpose in v's dtype, copies v_h onto head h's partitions
+    diff = nl.ndarray((NP, HG), dtype=f32, buffer=nl.sbuf)  # p - M h
+    nisa.iota(dst=diff, pattern=[[-M, HG]], offset=0, channel_multiplier=1)
+    lo = nl.ndarray((NP, HG), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=lo, data=diff, op0=nl.greater_equal, operand0=0.0)
+    onehot = nl.ndarray((NP, HG), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=onehot, data=diff, op0=nl.less, operand0=float(M))
+    nisa.tensor_tensor(dst=onehot, data1=onehot, data2=lo, op=nl.multiply)
+    diff_t = nl.ndarray((HG, NP), dtype=f32, buffer=nl.sbuf)  # p - M h, heads on partitions
+    nisa.iota(dst=diff_t, pattern=[[1, NP]], offset=0, channel_multiplier=-M)
+    lo_t = nl.ndarray((HG, NP), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=lo_t, data=diff_t, op0=nl.greater_equal, operand0=0.0)
+    hi_t = nl.ndarray((HG, NP), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=hi_t, data=diff_t, op0=nl.less, operand0=float(M))
+    spread = nl.ndarray((HG, NP), dtype=v.dtype, buffer=nl.sbuf)  # pairs with v as a matmul operand
+    nisa.tensor_tensor(dst=spread, data1=hi_t, data2=lo_t, op=nl.multiply)
+    # per group: lambda and aug in the state's layout (partition (h, m): lambda_h, aug_h[m J .. m J + J - 1])
+    lam_g, aug_g = [], []
+    for h0 in groups:
+        t = nl.ndarray((NP, 1), dtype=f32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=lam.ap([[1, HG], [0, M]], offset=h0))
+        lam_g.append(t)
+        a = nl.ndarray((NP, J), dtype=f32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=a, src=aug.ap([[J, NP], [1, J]], offset=h0 * dk))
+        aug_g.append(a)
+    live = nisa.register_alloc(0)
 
-    # Row offsets for the output writes: o_row[b] = b for a real row, -1 for padding;
-    # zero_row[b] the other way round. (b+1)*valid is an exact small integer in fp32.
-    slots_sb = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=slots_sb, src=slots)
-    valid = nl.ndarray((1, B), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=valid, data=slots_sb, op0=nl.greater_equal, operand0=0.0)
-    b_plus_1 = nl.ndarray((1, B), dtype=f32, buffer=nl.sbuf)
-    nisa.iota(dst=b_plus_1, pattern=[[1, B]], offset=1)
-    kept = nl.ndarray((1, B), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=kept, data1=valid, data2=b_plus_1, op=nl.multiply)
-    o_row = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=o_row, data=kept, op0=nl.subtract, operand0=1.0)
-    zero_row = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(
-        dst=zero_row, data=b_plus_1, op0=nl.subtract, operand0=1.0, op1=nl.subtract, operand1=kept
-    )
+    def sequence(b: Any) -> None:
+        slot = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=slot, src=slots.ap([[1, 1], [1, 1]], offset=0, scalar_offset=b, indirect_dim=0))
+        is_real = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)  # 1 for a real row, 0 for padding (-1)
+        nisa.tensor_scalar(dst=is_real, data=slot, op0=nl.greater_equal, operand0=0.0)
+        nisa.register_load(live, is_real)
+        outs = []
+        for _ in groups:
+            o_sb = nl.ndarray((HG, dv), dtype=q.dtype, buffer=nl.sbuf)
+            nisa.memset(dst=o_sb, value=0.0)  # a padding row's output; a real row overwrites it
+            outs.append(o_sb)
 
-    state_ap = [[dv, dk], [dk * dv, H], [1, dv]]  # [c, h, e] -> h*dk*dv + c*dv + e within a row
-    o_ap = [[dv, H], [1, dv]]
-
-    for b0 in range(0, B, G):
-        nb = min(G, B - b0)
-        R = nb * H
-        # Qmask: q_{b,h} on the diagonal of a [dk, G, H, H] tile (PE transpose of the q rows).
-        q_rows = nl.ndarray((R, dk), dtype=q.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=q_rows, src=q.ap([[dk, R], [1, dk]], offset=b0 * H * dk))
-        q_t = nl.ndarray((dk, R), dtype=q.dtype, buffer=nl.psum)
-        nisa.nc_transpose(dst=q_t, data=q_rows)
-        diag = qmask.ap([[G * H * H, dk], [H * H, nb], [H + 1, H]], offset=0)
-        nisa.tensor_copy(dst=diag, src=q_t)
-
-        # Gates g[h, b] = sigmoid(sum_c (q*aug)*k), heads on partitions.
-        qh = nl.ndarray((H, G, dk), dtype=q.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=qh[:, 0:nb, :], src=q.ap([[dk, H], [H * dk, nb], [1, dk]], offset=b0 * H * dk))
-        kh = nl.ndarray((H, G, dk), dtype=k.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=kh[:, 0:nb, :], src=k.ap([[dk, H], [H * dk, nb], [1, dk]], offset=b0 * H * dk))
-        qa = nl.ndarray((H, G, dk), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(
-            dst=qa[:, 0:nb, :], data1=qh[:, 0:nb, :], data2=aug_sb.ap([[dk, H], [0, nb], [1, dk]]), op=nl.multiply
-        )
-        nisa.tensor_tensor(dst=qa[:, 0:nb, :], data1=qa[:, 0:nb, :], data2=kh[:, 0:nb, :], op=nl.multiply)
-        logit = nl.ndarray((H, G), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=logit[:, 0:nb], op=nl.add, data=qa[:, 0:nb, :], axis=(2,))
-        gate = nl.ndarray((H, G), dtype=f32, buffer=nl.sbuf)
-        nisa.activation(dst=gate[:, 0:nb], op=nl.sigmoid, data=logit[:, 0:nb])
-
-        for j in range(nb):
-            b = b0 + j
-            slot = slots_sb[0:1, b : b + 1]
-            S = nl.ndarray((dk, H, dv), dtype=f32, buffer=nl.sbuf)
-            nisa.dma_copy(
-                dst=S,
-                src=state.ap(state_ap, offset=0, scalar_offset=slot, indirect_dim=0),
-                oob_mode=nisa.oob_mode.skip,
-            )
-            k_row = nl.ndarray((1, H * dk), dtype=k.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=k_row, src=k[b])
-            v_row = nl.ndarray((1, H * dv), dtype=v.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=v_row, src=v[b])
-            v_h = nl.ndarray((H, dv), dtype=v.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=v_h, src=v[b])
-
-            o_ps = nl.ndarray((H, dv), dtype=f32, buffer=nl.psum)
-            for h in range(H):
-                kv = nl.ndarray((dk, dv), dtype=f32, buffer=nl.psum)
-                nisa.nc_matmul(
-                    dst=kv,
-                    stationary=k_row[0:1, h * dk : (h + 1) * dk],
-                    moving=v_row[0:1, h * dv : (h + 1) * dv],
-                    accumulate=False,
-                )
+        def real_row(_i: Any) -> None:
+            for g, h0 in enumerate(groups):
+                # the group's state: partition (h, m) <- rows m J .. m J + J - 1 of head h0 + h, one contiguous run;
+                # addressed only when the slot is real (no out-of-bounds skip needed)
+                st = state.ap([[J * dv, NP], [1, J * dv]], offset=h0 * dk * dv, scalar_offset=slot, indirect_dim=0)
+                S = nl.ndarray((NP, J, dv), dtype=f32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=S, src=st)
+                qq = nl.ndarray((NP, J), dtype=q.dtype, buffer=nl.sbuf)  # q in the state's layout
+                nisa.dma_copy(dst=qq, src=q.ap([[J, NP], [1, J]], offset=h0 * dk, scalar_offset=b, indirect_dim=0))
+                kk = nl.ndarray((NP, J), dtype=k.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=kk, src=k.ap([[J, NP], [1, J]], offset=h0 * dk, scalar_offset=b, indirect_dim=0))
+                v_h = nl.ndarray((HG, dv), dtype=v.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=v_h, src=v.ap([[dv, HG], [1, dv]], offset=h0 * dv, scalar_offset=b, indirect_dim=0))
+                vv = nl.ndarray((NP, dv), dtype=f32, buffer=nl.psum)  # v_h on each of head h's partitions (exact)
+                nisa.nc_matmul(dst=vv, stationary=spread, moving=v_h, accumulate=False)
+                # S = lam S + k v^T: the product and the update each one fp32 rounding, torch's two ops
+                kv = nl.ndarray((NP, J, dv), dtype=f32, buffer=nl.sbuf)
+                nisa.tensor_tensor(
+                    dst=kv, data1=kk.ap([[J, NP], [1, J], [0, dv]]), data2=vv.ap([[dv, NP], [0, J], [1, dv]]),
+                    op=nl.multiply,
+                )  # fmt: skip
+                nisa.scalar_tensor_tensor(dst=S, data=S, op0=nl.multiply, operand0=lam_g[g], op1=nl.add, operand1=kv)
+                nisa.dma_copy(dst=st, src=S)
+                # q^T S: stationary j = q's rows j of every head, masked to the head's own partitions
+                qm = nl.ndarray((NP, J, HG), dtype=f32, buffer=nl.sbuf)
+                nisa.tensor_tensor(
+                    dst=qm, data1=qq.ap([[J, NP], [1, J], [0, HG]]), data2=onehot.ap([[HG, NP], [0, J], [1, HG]]),
+                    op=nl.multiply,
+                )  # fmt: skip
+                o_ps = nl.ndarray((HG, dv), dtype=f32, buffer=nl.psum)
+                for j in range(J):
+                    nisa.nc_matmul(dst=o_ps, stationary=qm[:, j, :], moving=S[:, j, :], accumulate=j > 0)
+                # gate g[h] = sigmoid(sum_c (q*aug)*k): per partition over its J rows, then over the head's M
+                # partitions by a matmul with onehot (heads land on partitions)
+                qa = nl.ndarray((NP, J), dtype=f32, buffer=nl.sbuf)
+                nisa.tensor_tensor(dst=qa, data1=qq, data2=aug_g[g], op=nl.multiply)
+                nisa.tensor_tensor(dst=qa, data1=qa, data2=kk, op=nl.multiply)
+                part = nl.ndarray((NP, 1), dtype=f32, buffer=nl.sbuf)
+                nisa.tensor_reduce(dst=part, op=nl.add, data=qa, axis=(1,))
+                logit = nl.ndarray((HG, 1), dtype=f32, buffer=nl.psum)  # heads on partitions
+                nisa.nc_matmul(dst=logit, stationary=onehot, moving=part, accumulate=False)
+                gate = nl.ndarray((HG, 1), dtype=f32, buffer=nl.sbuf)
+                nisa.activation(dst=gate, op=nl.sigmoid, data=logit)
+                gv = nl.ndarray((HG, dv), dtype=f32, buffer=nl.sbuf)
+                nisa.tensor_scalar(dst=gv, data=v_h, op0=nl.multiply, operand0=gate)
                 nisa.scalar_tensor_tensor(
-                    dst=S[:, h, :],
-                    data=S[:, h, :],
-                    op0=nl.multiply,
-                    operand0=lam_sb[:, h : h + 1],
-                    op1=nl.add,
-                    operand1=kv,
+                    dst=outs[g], data=o_ps, op0=nl.multiply, operand0=float(scale), op1=nl.add, operand1=gv
                 )
-                nisa.nc_matmul(dst=o_ps, stationary=qmask[:, j, h, :], moving=S[:, h, :], accumulate=h > 0)
-            nisa.dma_copy(
-                dst=state.ap(state_ap, offset=0, scalar_offset=slot, indirect_dim=0),
-                src=S,
-                oob_mode=nisa.oob_mode.skip,
-            )
 
-            gv = nl.ndarray((H, dv), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=gv, data=v_h, op0=nl.multiply, operand0=gate[:, j : j + 1])
-            o_sb = nl.ndarray((H, dv), dtype=q.dtype, buffer=nl.sbuf)
-            nisa.scalar_tensor_tensor(
-                dst=o_sb, data=o_ps, op0=nl.multiply, operand0=float(scale), op1=nl.add, operand1=gv
-            )
-            nisa.dma_copy(
-                dst=o.ap(o_ap, offset=0, scalar_offset=o_row[0:1, b : b + 1], indirect_dim=0),
-                src=o_sb,
-                oob_mode=nisa.oob_mode.skip,
-            )
-            nisa.dma_copy(
-                dst=o.ap(o_ap, offset=0, scalar_offset=zero_row[0:1, b : b + 1], indirect_dim=0),
-                src=zero_sb,
-                oob_mode=nisa.oob_mode.skip,
-            )
+        nl.fori_loop(0, live, real_row)  # one trip for a real row, none for padding
+        for g, h0 in enumerate(groups):
+            nisa.dma_copy(dst=o.ap([[dv, HG], [1, dv]], offset=h0 * dv, scalar_offset=b, indirect_dim=0), src=outs[g])
+
+    nl.fori_loop(0, B, sequence)
     # the state is returned as well: an in-place write is an output alias of the kernel for a graph compiler
     return o, state
 
@@ -295,26 +292,49 @@ def gla_decode_cost(
     out_bytes: int | None = None,
     aug_bytes: int = 4,
     num_padding: int = 0,
-) -> dict[str, int]:
-    """DMA bytes (HBM side) and TensorE instruction counts of one kernel call.
+    lnc: int = 1,
+) -> dict[str, Any]:
+    """One kernel call's counters at LNC `lnc`, as the emulator reports them (kernels/kernel_cost.py): DMA bytes (HBM
+    side), instructions, descriptors and times, TensorE instructions and MACs, emitted and executed instructions,
+    summed over the programs, each program's under `programs` (every program sees every row, and its half of the heads),
+    the slowest core's DMA times, and the analytic minimum.
 
-    in_bytes: itemsize of q, k, v; out_bytes: of o (default in_bytes); num_padding: rows with
-    slot -1 (their state DMAs are skipped). `dma_min_bytes` is the analytic minimum: each real
-    state read and written once, q, k, v read once, o written once, aug/lam/slots once.
+    in_bytes: itemsize of q, k, v; out_bytes: of o (default in_bytes); num_padding: rows with slot -1 (their state,
+    q, k and v are never read). `dma_min_bytes` is the analytic minimum: each real state read and written once, q, k, v
+    of the real rows read once, o written once, aug/lam/slots once; `dma_time_min_ns` that minimum split evenly over
+    the cores at their full DMA rate. `dma_state_bytes`: the state traffic alone.
     """
+    from vllm_trn_plugin.kernels.kernel_cost import Tally, busiest, combine, min_time_ns
+
     out_bytes = in_bytes if out_bytes is None else out_bytes
     R = B - num_padding
-    G = max(1, PMAX // H)
-    n_groups = -(-B // G)
+    HG, M, J = head_groups(H, dk)
+    NP = HG * M
+    ng = H // lnc // HG  # groups per program
+    programs = []
+    for _ in range(lnc):
+        t = Tally()
+        t.dma(ng, NP, 4, busiest(0, NP))  # lambda, one element per partition
+        t.dma(ng, NP, J * aug_bytes, busiest(0, NP))  # aug in the state's layout
+        t.dma(B, 1, 4, 1)  # the row's slot
+        t.dma(B * ng, HG, dv * out_bytes, busiest(0, HG), to_hbm=True)  # o, one head row per partition
+        t.dma(R * ng, NP, J * dv * 4, busiest(0, NP))  # state in: one run of J rows per partition
+        t.dma(R * ng, NP, J * dv * 4, busiest(0, NP), to_hbm=True)  # state out
+        t.dma(2 * R * ng, NP, J * in_bytes, busiest(0, NP))  # q, k in the state's layout
+        t.dma(R * ng, HG, dv * in_bytes, busiest(0, HG))  # v, one head row per partition (the PE spreads it)
+        body = 16 + J  # instructions per group of a real row
+        t.add(
+            matmul_instructions=R * ng * (J + 2),
+            matmul_macs=R * ng * (J * NP * HG * dv + NP * HG + NP * HG * dv),
+            emitted_instructions=14 + 4 * ng + ng * body,
+            executed_instructions=9 + 2 * ng + 1 + B * (4 + 2 * ng) + R * ng * body,
+        )
+        programs.append(t.result())
     state = 2 * R * H * dk * dv * 4
-    qkv = 2 * B * H * (2 * dk + dv) * in_bytes
-    small = H * dk * aug_bytes + dk * H * 4 + B * 4
-    out = B * H * dv * out_bytes
-    return {
-        "dma_bytes": state + qkv + small + out,
-        "dma_state_bytes": state,
-        "dma_min_bytes": state + B * H * (2 * dk + dv) * in_bytes + out + H * dk * aug_bytes + H * 4 + B * 4,
-        "dma_instructions": 3 + 3 * n_groups + 7 * B,
-        "matmuls": 2 * B * H,
-        "transposes": n_groups,
-    }
+    dma_min = state + R * H * (2 * dk + dv) * in_bytes + B * H * dv * out_bytes + H * dk * aug_bytes + H * 4 + B * 4
+    return combine(
+        programs,
+        dma_state_bytes=state,
+        dma_min_bytes=dma_min,
+        dma_time_min_ns=min_time_ns(dma_min / lnc),
+    )

@@ -5,7 +5,9 @@ The layers hold what the loader produces (loaders/mxfp4.py: exact MXFP4 -> FP8 r
 - MLP / shared-expert linears: `weight` FP8 [out, in], `weight_scale` fp32 [out],
   `bias_correction` fp32 [out];
 - routed experts: `w13_weight` FP8 [E, 2I, H] (gate rows, then up rows), `w2_weight` FP8 [E, H, I],
-  their `*_weight_scale` [E, rows] and `*_bias_correction` [E, rows];
+  their `*_weight_scale` [E, rows] and `*_bias_correction` [E, rows]; after loading, the FP8 stacks are held in the
+  FP8 expert kernel's layout (`fp8_expert.to_kernel_layout`, [E, 128, rows/128, cols/128, 128]: K-major 128-row
+  tiles, read by the kernel in long contiguous runs; the torch path reads it bit for bit);
 - LM head: `weight` FP8 [vocab, hidden], `weight_scale` fp32 [vocab].
 
 Under tensor parallelism each rank holds its part of every FP8 matrix, as vLLM's layers shard them: a
@@ -43,7 +45,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_trn_plugin.envs import ALLOW_BF16, allow_bf16
 from vllm_trn_plugin.kernels import dispatch
-from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, row_linear
+from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, TILE, in_kernel_layout, row_linear, to_kernel_layout
 from vllm_trn_plugin.loaders.io import CheckpointFormatError
 from vllm_trn_plugin.loaders.mxfp4 import ExpandedMatrix
 from vllm_trn_plugin.loaders.packed import iter_checkpoint
@@ -284,6 +286,15 @@ class Fp8RowMoEMethod(FusedMoEMethodBase):
             scale.data.fill_(1.0)
             _bf16_report(f"{where}.{prefix}weight", [f"expert {e} {shard}" for _, e, shard in parts], w)
         self.bf16_parts = {}
+        # FP8 stacks go into the FP8 expert kernel's layout (fp8_expert.to_kernel_layout: each 128-row tile stored
+        # K-major, so the kernel's DMAs read long contiguous runs instead of one byte per descriptor); the torch
+        # path reads it too, bit for bit. Once: a stack already tiled (this runs again on the Neuron path) or not
+        # made of 128 x 128 tiles stays as it is.
+        for prefix in ("w13_", "w2_"):
+            weight = getattr(layer, prefix + "weight")
+            w = weight.data
+            if w.dtype == FP8_DTYPE and not in_kernel_layout(w) and w.shape[1] % TILE == 0 and w.shape[2] % TILE == 0:
+                weight.data = to_kernel_layout(w)
 
     def get_fused_moe_quant_config(self, layer: RoutedExperts) -> None:
         return None

@@ -12,12 +12,22 @@ s2[d] max_i |w2[d, i]|.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
 from vllm_trn_plugin.kernels import fp8_expert_nki as K
-from vllm_trn_plugin.kernels.fp8_expert import ExpertWeights, fp8_expert, fp8_experts, fp8_linear, quantize_per_token
+from vllm_trn_plugin.kernels import nki_emu
+from vllm_trn_plugin.kernels.fp8_expert import (
+    ExpertWeights,
+    fp8_expert,
+    fp8_experts,
+    fp8_linear,
+    from_kernel_layout,
+    quantize_per_token,
+)
 from vllm_trn_plugin.kernels.nki_shim import nisa, nki, nl, simulate
 
 U = 2.0**-24
@@ -76,6 +86,13 @@ def one_expert_kernel(x, w13, s13, b13, w2, s2, b2):  # noqa: ANN001, ANN201 - a
     return y, xq, sx, h, hq, sh
 
 
+# The ScalarE polynomials' error is undocumented (docs/nki.md section 7.1; kernels/nki_emu/ops.py): the project assumes
+# SiLU within ACT_ERR relative, the emulator's perturbation model (the FP8 matmuls are exact products whatever TensorE's
+# fp32 precision; the quantization runs on VectorE, which the model leaves exact).
+ACT_ERR = 2.0**-10
+
+
+@pytest.mark.parametrize("act_err", [0.0, ACT_ERR], ids=["exact", "device"])
 @pytest.mark.parametrize(
     ("t", "hd", "inter", "dtype"),
     [
@@ -85,11 +102,17 @@ def one_expert_kernel(x, w13, s13, b13, w2, s2, b2):  # noqa: ANN001, ANN201 - a
         (3, 2048, 1024, torch.bfloat16),
     ],  # fmt: skip
 )
-def test_expert_kernel_against_float64_and_reference(t: int, hd: int, inter: int, dtype: torch.dtype) -> None:
+def test_expert_kernel_against_float64_and_reference(
+    t: int, hd: int, inter: int, dtype: torch.dtype, act_err: float
+) -> None:
+    """One expert through the kernel's building blocks, with SiLU exact ("exact") or off by up to ACT_ERR relative
+    ("device": h then moves by ACT_ERR |SiLU(gate) up| more, and an h element within that of an FP8 midpoint may take
+    the neighbouring code: up to 32 ACT_ERR of them, E4M3's relative code spacing being >= 2^-4)."""
     expert = _experts(t + hd, 1, hd, inter).expert(0)
     w13, s13, b13, w2, s2, b2 = expert
     x = (torch.randn(t, hd, generator=torch.Generator().manual_seed(t)) * 3).to(dtype)
-    y, xq, sx, h, hq, sh = simulate(one_expert_kernel)(x, *expert)
+    with nki_emu.numerics(activation_rel_error=act_err):
+        y, xq, sx, h, hq, sh = simulate(one_expert_kernel)(x, *expert)
 
     # x's codes and scales: bit for bit the reference quantizer's.
     xq_r, sx_r = quantize_per_token(x)
@@ -100,7 +123,7 @@ def test_expert_kernel_against_float64_and_reference(t: int, hd: int, inter: int
     gate, up, e_gate, e_up = gu[:, :inter], gu[:, inter:], err[:, :inter], err[:, inter:]
     silu = gate / (1 + np.exp(-gate))
     h64 = silu * up
-    bound_h = 1.1 * e_gate * np.abs(up) + np.abs(silu) * e_up + 3 * U * np.abs(h64) + 1e-30
+    bound_h = 1.1 * e_gate * np.abs(up) + np.abs(silu) * e_up + (3 * U + act_err) * np.abs(h64) + 1e-30
     assert np.all(np.abs(_f64(h) - h64) <= 2 * bound_h)
 
     # h's codes and scales: bit for bit the reference quantizer applied to the kernel's own h; never beyond 240.
@@ -120,7 +143,7 @@ def test_expert_kernel_against_float64_and_reference(t: int, hd: int, inter: int
     moved = np.abs(_f64(hq) * _f64(sh)[:, None] - _f64(hq_ref) * _f64(sh_ref)[:, None])
     flips = moved @ (np.abs(_f64(w2)) * _f64(s2)[:, None]).T
     assert np.all(np.abs(_f64(y) - _f64(ref)) <= e_y + e_yr + flips * (1 + 1e-6))
-    assert (hq.float() != hq_ref.float()).float().mean() < 1e-3
+    assert (hq.float() != hq_ref.float()).float().mean() < 1e-3 + 32 * act_err
 
 
 def test_expert_kernel_saturates_at_240() -> None:
@@ -209,7 +232,7 @@ def test_experts_kernel_matches_model_path(name: str) -> None:
     if t <= K.MAX_TOKENS:  # the kernel alone, its fp32 output against the torch path's before the cast to x.dtype
         blk = K.expert_blocks(tw, ti, e)
         ref = fp8_experts(x.float(), tw, ti, experts)  # x's codes and scales are those of x.float()
-        raw = simulate(K.fp8_experts_kernel)(x, *blk[:3], *experts, blk.n_always)
+        raw = simulate(K.fp8_experts_kernel)(x, *blk[:3], *experts)
         assert raw.dtype == torch.float32 and torch.all((raw - ref).abs() <= _model_bound(x, tw, ti, experts, ref))
 
 
@@ -250,30 +273,187 @@ def test_each_token_equals_its_single_token_run() -> None:
 
     def call(sl: slice) -> torch.Tensor:
         blk = K.expert_blocks(tw[sl], ti[sl], e)
-        return run(x[sl].contiguous(), *blk[:3], *experts, blk.n_always)
+        return run(x[sl].contiguous(), *blk[:3], *experts)
 
     single = torch.cat([call(slice(i, i + 1)) for i in range(32)])
     for n in range(1, 33):
         assert torch.equal(call(slice(0, n)), single[:n]), n
 
 
-def test_empty_blocks_cost_no_weight_dma_and_counters_match_cost() -> None:
+COUNTER_KEYS = (
+    "dma_hbm_to_sbuf_bytes", "dma_sbuf_to_hbm_bytes", "dma_sbuf_to_sbuf_bytes", "dma_bytes", "dma_instructions",
+    "dma_descriptors", "matmul_instructions", "transpose_instructions", "matmul_macs", "emitted_instructions",
+    "executed_instructions",
+)  # fmt: skip
+
+
+def lnc2(kernel: object) -> object:
+    """The runner of a Trn2 deployment at LNC=2: two programs, neuronx-cc at LNC=2."""
+    return simulate(kernel[2], compiler_lnc=2)
+
+
+def assert_counters_equal_cost(c: object, cost: dict) -> None:
+    assert c.num_programs == cost["lnc"] == len(cost["programs"])
+    for p, (got, want) in enumerate(zip(c.programs, cost["programs"])):
+        for key in COUNTER_KEYS:
+            assert getattr(got, key) == want[key], (p, key, getattr(got, key), want[key])
+        for key in ("dma_transfer_ns", "dma_time_ns"):
+            assert math.isclose(getattr(got, key), want[key], rel_tol=1e-9), (p, key)
+
+
+@pytest.mark.parametrize("layout", ["tiled", "row-major"])
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_empty_blocks_cost_no_weight_dma_and_counters_match_cost(lnc: int, layout: str) -> None:
+    """Only the active blocks run (the block loop's trip count is their number, read at run time): every counter of
+    each program equals `fp8_experts_cost` for that many experts, in either weight layout, at LNC=1 and LNC=2."""
     t, e, k, hd, inter = 6, 16, 2, 256, 512
     experts = _experts(21, e, hd, inter)
+    if layout == "tiled":
+        experts = experts.to_kernel_layout()
     x = torch.randn(t, hd, generator=torch.Generator().manual_seed(22))
     tw = torch.full((t, k), 0.5)
     for used in ([1, 4, 9, 12, 15], [0, 1, 2, 3, 5, 6, 8, 9, 10, 11]):
         ti = torch.tensor([[used[2 * i % len(used)], used[(2 * i + 1) % len(used)]] for i in range(t)])
-        K.fp8_experts_nki(x, tw, ti, experts, simulate)
+        K.fp8_experts_nki(x, tw, ti, experts, simulate if lnc == 1 else lnc2)
         c = nki.last_counters()
         nb = min(e, t * k)
-        cost = K.fp8_experts_cost(t, hd, inter, len(used), nb, x_itemsize=4)
-        for key in ("dma_hbm_to_sbuf_bytes", "dma_sbuf_to_hbm_bytes", "dma_bytes", "dma_instructions",
-                    "matmul_instructions", "matmul_macs", "transpose_instructions"):  # fmt: skip
-            assert getattr(c, key) == cost[key], key
-        assert c.instructions["fori_loop"] == nb - k  # every block past the always-used prefix is guarded
+        cost = K.fp8_experts_cost(t, hd, inter, len(used), nb, x_itemsize=4, lnc=lnc, layout=layout)
+        assert_counters_equal_cost(c, cost)
+        assert c.instructions["fori_loop"] == lnc  # one block loop per program, entered once
         # the nb - len(used) empty blocks read nothing: all traffic is less than one more expert's weights
         assert c.dma_hbm_to_sbuf_bytes < (len(used) + 1) * 3 * inter * hd
+
+
+# --- LNC=2, the kernel layout, compiled loops (issue 28) ---
+
+
+@pytest.mark.parametrize("layout", ["tiled", "row-major"])
+@pytest.mark.parametrize(("t", "e", "hd", "inter"), [(3, 8, 256, 512), (5, 4, 512, 256), (3, 4, 2048, 1024)])
+def test_lnc2_and_the_kernel_layout_are_bit_identical(t: int, e: int, hd: int, inter: int, layout: str) -> None:
+    """At LNC=2 each program computes the gate/up rows of its half of I, the two swap their halves of h (`sendrecv`),
+    and each computes the down rows of its half of Hd and stores those features: every output bit equals the LNC=1
+    launch's, in either weight layout, and the tiled layout's equal the row-major layout's. Catches a program that
+    computes or stores the other's rows, a half of h not swapped (NaN from the unwritten half), and a layout whose
+    tiles are read in another order."""
+    experts = _experts(t * e, e, hd, inter)
+    x = (torch.randn(t, hd, generator=torch.Generator().manual_seed(t)) * 2).to(torch.bfloat16)
+    tw, ti = _routing(7, t, e, 2)
+    blk = K.expert_blocks(tw, ti, e)
+    weights = experts.to_kernel_layout() if layout == "tiled" else experts
+    one = simulate(K.fp8_experts_kernel)(x, *blk[:3], *experts)
+    two = lnc2(K.fp8_experts_kernel)(x, *blk[:3], *weights)
+    c = nki.last_counters()
+    assert torch.equal(one.view(torch.int32), two.view(torch.int32))
+    cost = K.fp8_experts_cost(t, hd, inter, int(blk.active.sum()), len(blk.expert), 2, lnc=2, layout=layout)
+    assert_counters_equal_cost(c, cost)
+    ref = fp8_experts(x.float(), tw, ti, experts)
+    assert torch.all((two - ref).abs() <= _model_bound(x, tw, ti, experts, ref))
+
+
+def test_no_local_expert_at_lnc2() -> None:
+    """Expert parallelism can leave a rank no routed token: zero blocks run on both programs (the block loop, its
+    `sendrecv` included, is compiled but never entered) and the output is zeros."""
+    experts = _experts(3, 4, 256, 256).to_kernel_layout()
+    x = torch.randn(2, 256)
+    ids = torch.full((2, 2), -1)
+    out = K.fp8_experts_nki(x, torch.ones(2, 2), ids, experts, lnc2, all_local=False)
+    assert torch.equal(out, torch.zeros(2, 256))
+    c = nki.last_counters()
+    assert c.instructions["fori_loop"] == 2 and "sendrecv" not in c.instructions and c.emitted["sendrecv"] == 2
+
+
+def test_torch_path_reads_the_kernel_layout_bit_for_bit() -> None:
+    """The loader stores FP8 stacks in the kernel layout (fp8_expert.to_kernel_layout); the model's torch path on it
+    gives the row-major path's bits, and the layout round-trips exactly. Catches a tile transposed the wrong way."""
+    experts = _experts(5, 6, 512, 256)
+    tiled = experts.to_kernel_layout()
+    assert tiled.kernel_layout and tiled.w13.shape == (6, 128, 4, 4, 128) and tiled.w2.shape == (6, 128, 4, 2, 128)
+    for w, tw in ((experts.w13, tiled.w13), (experts.w2, tiled.w2)):
+        assert torch.equal(from_kernel_layout(tw).view(torch.uint8), w.view(torch.uint8))
+        e, p, rt, kt, j = 2, 17, 1, 1, 9
+        assert tw[e, p, rt, kt, j].view(torch.uint8) == w[e, rt * 128 + j, kt * 128 + p].view(torch.uint8)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(6)).bfloat16()
+    tw, ti = _routing(8, 9, 6, 2)
+    got, want = fp8_experts(x, tw, ti, tiled), fp8_experts(x, tw, ti, experts)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(fp8_expert(x, tiled.expert(3)), fp8_expert(x, experts.expert(3)))
+
+
+def test_loader_stores_the_kernel_layout_once() -> None:
+    """`Fp8RowMoEMethod.process_weights_after_loading` (model_executors/mxfp4_fp8.py) rewrites each FP8 stack into
+    the kernel layout once: called again (the Neuron path calls it after vLLM did) it changes nothing, and a stack
+    not made of 128 x 128 tiles stays row-major. Catches a loader that leaves FP8 stacks row-major (the kernel
+    would read them one byte per descriptor) or tiles a stack it cannot."""
+    from types import SimpleNamespace
+
+    from torch.nn import Parameter
+
+    from vllm_trn_plugin.model_executors.mxfp4_fp8 import Fp8RowMoEMethod
+
+    experts = _experts(9, 3, 256, 256)
+    method = Fp8RowMoEMethod.__new__(Fp8RowMoEMethod)
+    method.bf16_parts = {}
+    names = ("w13_weight", "w13_weight_scale", "w13_bias_correction", "w2_weight", "w2_weight_scale",
+             "w2_bias_correction")  # fmt: skip
+    layer = SimpleNamespace(**{n: Parameter(w.clone(), requires_grad=False) for n, w in zip(names, experts)})
+    method.process_weights_after_loading(layer)
+    tiled = experts.to_kernel_layout()
+    assert torch.equal(layer.w13_weight.view(torch.uint8), tiled.w13.view(torch.uint8))
+    assert torch.equal(layer.w2_weight.view(torch.uint8), tiled.w2.view(torch.uint8))
+    method.process_weights_after_loading(layer)
+    assert torch.equal(layer.w13_weight.view(torch.uint8), tiled.w13.view(torch.uint8))
+    odd = _experts(9, 2, 192, 256)  # 192 is not a whole number of 128-wide tiles
+    layer = SimpleNamespace(**{n: Parameter(w.clone(), requires_grad=False) for n, w in zip(names, odd)})
+    method.process_weights_after_loading(layer)
+    assert layer.w13_weight.shape == odd.w13.shape and layer.w2_weight.shape == odd.w2.shape
+
+
+EMITTED_CAP = 400  # the project's cap (docstring of test_compiled_program_does_not_grow_with_experts_or_tokens)
+
+
+@pytest.mark.parametrize("layout", ["tiled", "row-major"])
+def test_compiled_program_does_not_grow_with_experts_or_tokens(layout: str) -> None:
+    """Emitted (compiled) instructions per program at Trinity-Mini's hidden 2048 / intermediate 1024 are the same for
+    every expert count, routing and token count, at each LNC: the blocks are one `nl.fori_loop` (before: a Python
+    loop over NB = min(E, T K) blocks, each unrolled) and the PSUM groups have a fixed width. Cap: 400 per program,
+    the project's choice: 302 at LNC=1 (of which 192 matmuls, one per 256 x 128 weight tile: the expert body stays
+    unrolled over its tiles), 185 at LNC=2; a second expert body unrolled exceeds it. Prints the counts."""
+    hd, inter = 2048, 1024
+    seen = {}
+    for e, t, k in ((4, 1, 2), (8, 3, 2), (2, 5, 1)):
+        experts = _experts(e, e, hd, inter)
+        experts = experts.to_kernel_layout() if layout == "tiled" else experts
+        tw, ti = _routing(e + t, t, e, k)
+        blk = K.expert_blocks(tw, ti, e)
+        x = torch.randn(t, hd).bfloat16()
+        for lnc, runner in ((1, simulate), (2, lnc2)):
+            runner(K.fp8_experts_kernel)(x, *blk[:3], *experts)
+            c = nki.last_counters()
+            seen[(e, t, lnc)] = [p.emitted_instructions for p in c.programs]
+    print(f"\nFP8 experts ({layout}), emitted instructions per program by (E, T, LNC): {seen}")
+    for lnc in (1, 2):
+        counts = {n for (_, _, d), per in seen.items() if d == lnc for n in per}
+        assert len(counts) == 1 and counts.pop() <= EMITTED_CAP, seen
+
+
+def test_kernel_layout_reads_weights_in_long_runs() -> None:
+    """At Trinity-Mini's geometry the tiled weights move in one run per partition and range (8 KiB and more):
+    per active expert 2 descriptors per partition at LNC=1, 3 at LNC=2 instead of one per byte (6.3 M and 3.1 M
+    per core), and the DMA engines' busy time per core is within 1.3x of the analytic minimum (all bytes once, every
+    engine at full rate). Catches any weight read through the transposing row-major pattern."""
+    hd, inter, e, t = 2048, 1024, 4, 3
+    experts = _experts(1, e, hd, inter).to_kernel_layout()
+    tw, ti = _routing(2, t, e, 2)
+    blk = K.expert_blocks(tw, ti, e)
+    a = int(blk.active.sum())
+    x = torch.randn(t, hd).bfloat16()
+    for lnc, runner in ((1, simulate), (2, lnc2)):
+        runner(K.fp8_experts_kernel)(x, *blk[:3], *experts)
+        c = nki.last_counters()
+        cost = K.fp8_experts_cost(t, hd, inter, a, len(blk.expert), 2, lnc=lnc)
+        for p in c.programs:
+            assert p.dma_descriptors < a * (128 * (lnc + 1) + 200) + 400, p.dma_descriptors
+            assert p.dma_transfer_ns <= 1.3 * cost["dma_time_min_ns"], (p.dma_transfer_ns, cost["dma_time_min_ns"])
 
 
 def test_wrapper_refuses_weights_not_in_fp8() -> None:

@@ -313,7 +313,11 @@ def _fp8_shards(model: torch.nn.Module) -> dict:
     in float32), their bias corrections, and which experts it holds."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
+    from vllm_trn_plugin.kernels.fp8_expert import from_kernel_layout, in_kernel_layout
+
     def value(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        if in_kernel_layout(w):  # an FP8 expert stack as loaded: the kernel's tiled layout (fp8_expert.py)
+            w = from_kernel_layout(w)
         return w.float() * s.float().unsqueeze(-1)
 
     out: dict = {"rank": get_tensor_model_parallel_rank()}

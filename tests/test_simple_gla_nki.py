@@ -28,6 +28,7 @@ import math
 import pytest
 import torch
 
+from vllm_trn_plugin.kernels import nki_emu
 from vllm_trn_plugin.kernels.nki_shim import nki, simulate
 from vllm_trn_plugin.kernels.simple_gla import geometric_log_decay, simple_gla_decode_step
 from vllm_trn_plugin.kernels.simple_gla_nki import gla_decode_cost, gla_decode_nki, state_rows
@@ -277,19 +278,133 @@ def test_repeated_steps_follow_the_recurrence():
 # --------------------------------------------------------------------------- cost
 
 
-def test_counters_match_cost_formula():
-    (H, dk, dv), B = REAL, 10  # two groups (8 + 2 sequences), two padding rows
+COUNTER_KEYS = (
+    "dma_hbm_to_sbuf_bytes", "dma_sbuf_to_hbm_bytes", "dma_bytes", "dma_instructions", "dma_descriptors",
+    "matmul_instructions", "transpose_instructions", "matmul_macs", "emitted_instructions", "executed_instructions",
+)  # fmt: skip
+
+
+def lnc2(kernel):  # noqa: ANN001, ANN201
+    """The runner of a Trn2 deployment at LNC=2: two programs, neuronx-cc at LNC=2."""
+    return simulate(kernel[2], compiler_lnc=2)
+
+
+def assert_counters_equal_cost(c, cost) -> None:  # noqa: ANN001
+    assert c.num_programs == cost["lnc"] == len(cost["programs"])
+    for p, (got, want) in enumerate(zip(c.programs, cost["programs"])):
+        for key in COUNTER_KEYS:
+            assert getattr(got, key) == want[key], (p, key, getattr(got, key), want[key])
+        for key in ("dma_transfer_ns", "dma_time_ns"):
+            assert math.isclose(getattr(got, key), want[key], rel_tol=1e-9), (p, key)
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_counters_match_cost_formula(lnc):
+    """Every counter of each program (bytes, descriptors, DMA times, instructions) equals `gla_decode_cost`'s; the
+    padding rows' state is never read nor written (their q, k, v neither), so the state traffic is 2 R slot states."""
+    (H, dk, dv), B = REAL, 10
     q, k, v, aug, pool = make_case(B, H, dk, dv, 12, torch.bfloat16, seed=15)
     aug = aug.float()
     slots = torch.tensor([0, 1, -1, 3, 4, 5, 6, -1, 8, 9])
-    gla_decode_nki(q, k, v, aug, geometric_log_decay(H, T_MIN, T_MAX), dk**-0.5, pool, slots, simulate)
+    runner = simulate if lnc == 1 else lnc2
+    gla_decode_nki(q, k, v, aug, geometric_log_decay(H, T_MIN, T_MAX), dk**-0.5, pool, slots, runner)
     c = nki.last_counters()
-    cost = gla_decode_cost(B, H, dk, dv, in_bytes=2, aug_bytes=4, num_padding=2)
-    assert c.dma_bytes == cost["dma_bytes"]
-    assert c.dma_instructions == cost["dma_instructions"]
-    assert c.matmul_instructions == cost["matmuls"]
-    assert c.transpose_instructions == cost["transposes"]
+    cost = gla_decode_cost(B, H, dk, dv, in_bytes=2, aug_bytes=4, num_padding=2, lnc=lnc)
+    assert_counters_equal_cost(c, cost)
     # Laplace shape, B = 32: the kernel's traffic is within 1 % of the analytic minimum.
     full = gla_decode_cost(32)
     assert full["dma_bytes"] <= 1.01 * full["dma_min_bytes"]
     assert math.isclose(full["dma_state_bytes"], 2 * 32 * 16 * 96 * 192 * 4)
+
+
+# --------------------------------------------------------------------------- LNC=2, compiled loops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,H,dk,dv", [(3, *REAL), (5, 4, 32, 48), (1, 2, 8, 16)], ids=["real-B3", "B5", "B1"])
+def test_lnc2_is_bit_identical_to_lnc1(B, H, dk, dv, dtype):
+    """At LNC=2 each program updates half of the heads of every row (one head group, `head_groups`); every output bit
+    and every bit of the pool (updated slots, untouched ones, padding rows') equals the LNC=1 launch's, which runs
+    the same two groups one after the other. Catches a program that takes the other's heads (a wrong first head), a
+    group size that depends on the LNC degree (then q^T S sums in another order) and a missed or repeated head."""
+    q, k, v, aug, pool = make_case(B, H, dk, dv, B + 3, dtype, seed=B * 7 + H)
+    slots = torch.randperm(B + 3, generator=torch.Generator().manual_seed(B))[:B]
+    if B > 2:
+        slots[1] = -1
+    log_decay, scale = geometric_log_decay(H, T_MIN, T_MAX), dk**-0.5
+    p1, p2 = pool.clone(), pool.clone()
+    o1 = gla_decode_nki(q, k, v, aug, log_decay, scale, p1, slots, simulate)
+    o2 = gla_decode_nki(q, k, v, aug, log_decay, scale, p2, slots, lnc2)
+    c = nki.last_counters()
+    assert torch.equal(bits(o1), bits(o2)) and torch.equal(bits(p1), bits(p2))
+    ref = pool.clone()
+    o_r = simple_gla_decode_step(q, k, v, aug, log_decay, scale, ref, slots)
+    assert torch.equal(bits(p2), bits(ref))
+    assert_o_matches_torch(o2, o_r, "LNC=2 o vs torch reference")
+    cost = gla_decode_cost(B, H, dk, dv, in_bytes=dtype.itemsize, aug_bytes=dtype.itemsize,
+                           num_padding=int((slots < 0).sum()), lnc=2)  # fmt: skip
+    assert_counters_equal_cost(c, cost)
+
+
+EMITTED_CAP = 100  # the project's cap (docstring of test_compiled_program_does_not_grow_with_the_batch)
+
+
+def test_compiled_program_does_not_grow_with_the_batch():
+    """The emitted (compiled) instructions per program are the same for every batch width (the rows are a
+    `nl.fori_loop`, a padding row's work a zero-trip one): before, the sequences were a Python loop, one body per
+    row. Cap: 100 per program, the project's choice: 66 at LNC=1 and 40 at LNC=2 at Laplace's geometry (16 + J per
+    head group, two groups per program at LNC=1); an unrolled row loop exceeds it from B = 2. Prints the counts."""
+    H, dk, dv = REAL
+    seen = {}
+    for B in (1, 2, 7, 32):
+        q, k, v, aug, pool = make_case(B, H, dk, dv, B + 1, torch.bfloat16, seed=B)
+        slots = torch.arange(B) - int(B > 1)  # row 0 padding when B > 1
+        for lnc, runner in ((1, simulate), (2, lnc2)):
+            gla_decode_nki(q, k, v, aug, geometric_log_decay(H, T_MIN, T_MAX), dk**-0.5, pool, slots, runner)
+            c = nki.last_counters()
+            seen[(B, lnc)] = [p.emitted_instructions for p in c.programs]
+            assert seen[(B, lnc)][0] == gla_decode_cost(B, H, dk, dv, lnc=lnc)["programs"][0]["emitted_instructions"]
+    print(f"\nGLA step, emitted instructions per program by (B, LNC): {seen}")
+    for lnc in (1, 2):
+        counts = {n for (_, d), per in seen.items() if d == lnc for n in per}
+        assert len(counts) == 1 and counts.pop() <= EMITTED_CAP, seen
+
+
+# --------------------------------------------------------------------------- numerics the device may have
+
+# The ScalarE polynomials' error and TensorE's fp32 product precision are undocumented (docs/nki.md section 7.1;
+# kernels/nki_emu/ops.py): the project assumes sigmoid within ACT_ERR relative and fp32 TensorE operands at worst
+# rounded to bf16 (or tf32), the emulator's models of them.
+ACT_ERR = 2.0**-10
+OPERAND_ROUNDING = {"tf32": 2.0**-11, "bf16": 2.0**-8}
+
+
+@pytest.mark.parametrize("operands", ["tf32", "bf16"])
+def test_tolerance_holds_under_device_numerics(operands):
+    """At Laplace's geometry with bf16 activations, sigmoid off by up to ACT_ERR and fp32 TensorE operands rounded to
+    `operands` (unit roundoff u): the new states stay bit-exact against the torch path (their arithmetic is VectorE
+    fp32, and the PE's copy of v onto the state's partitions multiplies bf16 values by 1.0, exact at any operand
+    width), and o stays within 4 u + 4 ACT_ERR + 2^-8 (its bf16 rounding) of max |o| per row against float64: the
+    first-order error of q^T S with S rounded as an operand (u |q|^T |S|, normwise) and of the gate (ACT_ERR |g v|,
+    and the logit's sum u sum |q a k|). Measured errors are printed with -s. Catches a state update moved onto an
+    engine whose arithmetic the precision model changes, and an output error beyond the model's."""
+    (H, dk, dv), B = REAL, 4
+    q, k, v, aug, pool = make_case(B, H, dk, dv, 6, torch.bfloat16, seed=31)
+    slots = torch.tensor([4, -1, 0, 2])
+    log_decay, scale = geometric_log_decay(H, T_MIN, T_MAX), dk**-0.5
+    ref_pool = pool.clone()
+    simple_gla_decode_step(q, k, v, aug, log_decay, scale, ref_pool, slots)
+
+    p = pool.clone()
+    with nki_emu.numerics(activation_rel_error=ACT_ERR, fp32_matmul=operands):
+        o = gla_decode_nki(q, k, v, aug, log_decay, scale, p, slots, simulate)
+    assert torch.equal(bits(p), bits(ref_pool))
+    real = slots >= 0
+    o64, _ = ref64(q[real], k[real], v[real], aug, scale, pool[slots[real]])
+    err = (o[real].double() - o64).abs().amax(dim=(1, 2)) / o64.abs().amax(dim=(1, 2))
+    tol = 4 * OPERAND_ROUNDING[operands] + 4 * ACT_ERR + 2.0**-8
+    assert (err <= tol).all(), err
+    assert torch.equal(bits(o[~real]), torch.zeros_like(bits(o[~real])))
+    print(
+        f"\nGLA step, {operands} operands: normwise o error {[f'{e:.1e}' for e in err.tolist()]} (tolerance {tol:.1e})"
+    )
