@@ -17,10 +17,31 @@ $(DEMO)/config.json: | $(VENV)/.setup-done
 serve: $(VENV)/.setup-done $(if $(filter $(DEMO),$(MODEL)),$(DEMO)/config.json)
 	$(VENV)/bin/vllm-trn serve $(MODEL) --port $(PORT) $(SERVE_ARGS)
 
-test: $(VENV)/.setup-done
+# What the tests need beyond the set-up: AWS's nki-library test harness, which tests/test_nki_library.py runs with the
+# project's NKI emulator as its CPU simulator (its own dependencies: the nki-library extra).
+$(VENV)/.test-extras-done: $(VENV)/.setup-done
+	$(VENV)/bin/python -m pip --disable-pip-version-check -q install -e ".[nki-library]"
+	touch $@
+
+test: $(VENV)/.test-extras-done
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.setup-done
 	$(VENV)/bin/ruff check .
 
-.PHONY: setup serve test lint
+# vLLM 0.29, what vLLM Neuron GA runs, beside 0.32: its environment (deploy/setup_vllm029.sh) and what CI runs
+# there, the device contract and one exactness test per model against its independent reference.
+VENV_VLLM029 ?= .venv-vllm029
+VLLM029_TESTS ?= tests/test_neuron_contract.py tests/test_neuron_sampling.py tests/test_kernel_ops.py \
+	tests/test_laplace_vllm.py::test_greedy_equals_plain_pytorch_forward \
+	tests/test_trinity_vllm.py::test_greedy_64_steps_equal_transformers_batched_and_alone
+
+$(VENV_VLLM029)/.setup-done: pyproject.toml deploy/setup.sh deploy/setup_vllm029.sh
+	VENV=$(VENV_VLLM029) bash deploy/setup_vllm029.sh
+
+setup-vllm029: $(VENV_VLLM029)/.setup-done
+
+test-vllm029: $(VENV_VLLM029)/.setup-done
+	$(VENV_VLLM029)/bin/python -m pytest $(VLLM029_TESTS) $(PYTEST_ARGS)
+
+.PHONY: setup serve test lint setup-vllm029 test-vllm029

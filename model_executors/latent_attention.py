@@ -173,14 +173,6 @@ class LatentAttentionBackend(AttentionBackend):
     def get_builder_cls() -> type[LatentMetadataBuilder]:
         return LatentMetadataBuilder
 
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
-    ) -> tuple[int, ...]:
-        """One latent row (head_size = kv_lora_rank) per slot. vLLM 0.24's runner asks the backend for this shape;
-        later versions take it from the layer's MLAAttentionSpec."""
-        return (num_blocks, block_size, head_size)
-
 
 class TrinityLatentAttention(nn.Module, AttentionLayerBase):
     """Gated GQA attention whose keys and values come from a cached r-wide latent (no RoPE).
@@ -301,8 +293,8 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
     def kv_cache(self, kv_cache: torch.Tensor) -> None:
         """vLLM's latent cache for this layer, and the key-scale store beside it, allocated here so that it is in
         memory from start-up (its bytes come out of the cache budget: `reserve_key_scale_budget`). NaN: a read
-        of a slot never written shows. A setter, not only `bind_kv_cache`: vLLM 0.24's runner assigns the cache
-        (later versions call bind_kv_cache, and assign an empty tensor to unbind)."""
+        of a slot never written shows. A setter, not only `bind_kv_cache`: vLLM's runner assigns an empty tensor to
+        unbind."""
         if self.__dict__.get("_kv_cache") is kv_cache:
             return
         rows = kv_cache.numel() // self.kv_lora_rank

@@ -203,8 +203,7 @@ class TrnMxfp4Fp8Config(QuantizationConfig):
             parts = [f"{head}.{p}" for p in self.packed_modules_mapping.get(leaf, [leaf])]
             return Fp8RowLinearMethod() if self._mxfp4(layer, prefix, [prefix], parts) else UnquantizedLinearMethod()
         if isinstance(layer, RoutedExperts):
-            # vLLM 0.24's RoutedExperts has no ckpt_*_proj_name (its checkpoints' names are these defaults)
-            names = [getattr(layer, f"ckpt_{p}_proj_name", f"{p}_proj") for p in ("gate", "up", "down")]
+            names = [getattr(layer, f"ckpt_{p}_proj_name") for p in ("gate", "up", "down")]
             names = [n for n in names if n]
             parts = [f"{prefix}.{e}.{n}" for e in range(layer.global_num_experts) for n in names]
             # vLLM matches the experts by expert 0's names; the file must then hold every expert alike.

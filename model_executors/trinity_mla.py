@@ -26,7 +26,6 @@ from vllm.model_executor.models.afmoe import (
     AfmoeDecoderLayer,
     AfmoeForCausalLM,
     AfmoeMLP,
-    AfmoeModel,
     AfmoeMoE,
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_index, make_layers, maybe_prefix
@@ -117,12 +116,6 @@ class TrinityMLAModel(nn.Module):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
-
-    if hasattr(AfmoeModel, "load_weights"):
-        # vLLM 0.24 (vllm-neuron's pin) maps the stacked (q/k/v, gate/up) and per-expert checkpoint tensors in the
-        # inner model's load_weights; later versions in AfmoeForCausalLM.hf_to_vllm_mapper and the layers' loaders.
-        load_weights = AfmoeModel.load_weights
-        get_expert_mapping = AfmoeModel.get_expert_mapping
 
     def forward(
         self,

@@ -460,14 +460,12 @@ class NeuronModelAdapter(nn.Module):
 
 
 def _set_worker_ir_state(vllm_config: Any) -> None:
-    """What vLLM's worker sets for its lifetime (``WorkerBase.__init__``, vLLM versions with ``vllm.ir``): its IR ops
-    (RMSNorm, fused add + RMSNorm) at their default implementation priority, called directly rather than through the
-    torch custom op that only vLLM's own Inductor pass lowers. The Neuron worker runs no vLLM runner beside the model,
-    and a device compiler cannot see into a vLLM custom op, so the ops' torch bodies are what its graph holds."""
-    try:
-        import vllm.ir
-    except ImportError:  # vLLM without IR ops (0.24): its layers call their torch forms (custom_ops "none")
-        return
+    """What vLLM's worker sets for its lifetime (``WorkerBase.__init__``): its IR ops (RMSNorm, fused add + RMSNorm) at
+    their default implementation priority, called directly rather than through the torch custom op that only vLLM's
+    own Inductor pass lowers. The Neuron worker runs no vLLM runner beside the model, and a device compiler cannot see
+    into a vLLM custom op, so the ops' torch bodies are what its graph holds."""
+    import vllm.ir
+
     vllm_config.kernel_config.ir_op_priority.set_default()
     vllm.ir.set_default_torch_wrap(False)
 
