@@ -12,12 +12,11 @@ s2[d] max_i |w2[d, i]|.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 
+from tests.emulator_helpers import assert_counters_equal_cost, lnc2
 from vllm_trn_plugin.kernels import fp8_expert_nki as K
 from vllm_trn_plugin.kernels import nki_emu
 from vllm_trn_plugin.kernels.fp8_expert import (
@@ -278,27 +277,6 @@ def test_each_token_equals_its_single_token_run() -> None:
     single = torch.cat([call(slice(i, i + 1)) for i in range(32)])
     for n in range(1, 33):
         assert torch.equal(call(slice(0, n)), single[:n]), n
-
-
-COUNTER_KEYS = (
-    "dma_hbm_to_sbuf_bytes", "dma_sbuf_to_hbm_bytes", "dma_sbuf_to_sbuf_bytes", "dma_bytes", "dma_instructions",
-    "dma_descriptors", "matmul_instructions", "transpose_instructions", "matmul_macs", "emitted_instructions",
-    "executed_instructions",
-)  # fmt: skip
-
-
-def lnc2(kernel: object) -> object:
-    """The runner of a Trn2 deployment at LNC=2: two programs, neuronx-cc at LNC=2."""
-    return simulate(kernel[2], compiler_lnc=2)
-
-
-def assert_counters_equal_cost(c: object, cost: dict) -> None:
-    assert c.num_programs == cost["lnc"] == len(cost["programs"])
-    for p, (got, want) in enumerate(zip(c.programs, cost["programs"])):
-        for key in COUNTER_KEYS:
-            assert getattr(got, key) == want[key], (p, key, getattr(got, key), want[key])
-        for key in ("dma_transfer_ns", "dma_time_ns"):
-            assert math.isclose(getattr(got, key), want[key], rel_tol=1e-9), (p, key)
 
 
 @pytest.mark.parametrize("layout", ["tiled", "row-major"])

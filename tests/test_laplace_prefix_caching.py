@@ -190,7 +190,7 @@ def test_aborts_mid_prefill_and_mid_decode_leave_no_page_behind(pc_llm: Any, lap
 
 def test_prefix_caching_options_are_checked_at_start(laplace_ckpt: Any) -> None:
     """--enable-prefix-caching alone: a checkpoint every LAPLACE_CHECKPOINT_TOKENS (not the CPU build's generic
-    16-token block); a block size off the GLA chunk grid, speculative decoding, and the Beta contract adapter
+    16-token block); a block size off the GLA chunk grid, speculative decoding, and the Neuron contract adapter
     (one state page per sequence) are refused at start, naming the option."""
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from tests.emulator_helpers import assert_counters_equal_cost, lnc2
 from vllm_trn_plugin.kernels import nki_emu
 from vllm_trn_plugin.kernels.fp8_expert import quantize_per_token
 from vllm_trn_plugin.kernels.latent_decode import (
@@ -299,27 +300,6 @@ def test_torch_path_agrees_with_reference(cache_dtype: torch.dtype) -> None:
     got = latent_decode_torch(*case)
     for b in range(len(lens)):
         assert torch.allclose(got[b], ref[b], rtol=0, atol=1e-5 * float(ref[b].abs().max()))
-
-
-COUNTER_KEYS = (
-    "dma_hbm_to_sbuf_bytes", "dma_sbuf_to_hbm_bytes", "dma_bytes", "dma_instructions", "dma_descriptors",
-    "matmul_instructions", "transpose_instructions", "matmul_macs", "emitted_instructions", "executed_instructions",
-)  # fmt: skip
-
-
-def lnc2(kernel: object) -> object:
-    """The runner of a Trn2 deployment at LNC=2: the kernel launched on two programs, neuronx-cc at LNC=2."""
-    return simulate(kernel[2], compiler_lnc=2)
-
-
-def assert_counters_equal_cost(c: nki_emu.Counters, cost: dict) -> None:
-    """Every program's emulator counters equal the cost formula's program (DMA times to float rounding)."""
-    assert c.num_programs == cost["lnc"] == len(cost["programs"])
-    for p, (got, want) in enumerate(zip(c.programs, cost["programs"])):
-        for key in COUNTER_KEYS:
-            assert getattr(got, key) == want[key], (p, key, getattr(got, key), want[key])
-        for key in ("dma_transfer_ns", "dma_time_ns"):
-            assert math.isclose(getattr(got, key), want[key], rel_tol=1e-9), (p, key)
 
 
 def extra_bytes(lens: list[int], per_key: int) -> int:

@@ -28,6 +28,7 @@ import math
 import pytest
 import torch
 
+from tests.emulator_helpers import assert_counters_equal_cost, lnc2
 from vllm_trn_plugin.kernels import nki_emu
 from vllm_trn_plugin.kernels.nki_shim import nki, simulate
 from vllm_trn_plugin.kernels.simple_gla import geometric_log_decay, simple_gla_decode_step
@@ -276,26 +277,6 @@ def test_repeated_steps_follow_the_recurrence():
 
 
 # --------------------------------------------------------------------------- cost
-
-
-COUNTER_KEYS = (
-    "dma_hbm_to_sbuf_bytes", "dma_sbuf_to_hbm_bytes", "dma_bytes", "dma_instructions", "dma_descriptors",
-    "matmul_instructions", "transpose_instructions", "matmul_macs", "emitted_instructions", "executed_instructions",
-)  # fmt: skip
-
-
-def lnc2(kernel):  # noqa: ANN001, ANN201
-    """The runner of a Trn2 deployment at LNC=2: two programs, neuronx-cc at LNC=2."""
-    return simulate(kernel[2], compiler_lnc=2)
-
-
-def assert_counters_equal_cost(c, cost) -> None:  # noqa: ANN001
-    assert c.num_programs == cost["lnc"] == len(cost["programs"])
-    for p, (got, want) in enumerate(zip(c.programs, cost["programs"])):
-        for key in COUNTER_KEYS:
-            assert getattr(got, key) == want[key], (p, key, getattr(got, key), want[key])
-        for key in ("dma_transfer_ns", "dma_time_ns"):
-            assert math.isclose(getattr(got, key), want[key], rel_tol=1e-9), (p, key)
 
 
 @pytest.mark.parametrize("lnc", [1, 2])

@@ -15,7 +15,7 @@ ARCHITECTURES = {
 
 _registered = False
 
-# Under vLLM Neuron's runner (vllm-neuron 0.24 Beta to 0.29 GA, Trn2/Trn3) the runner, not vLLM, drives the model
+# Under vLLM Neuron's runner (vllm-neuron 0.29 / GA, Trn2/Trn3) the runner, not vLLM, drives the model
 # through its own contract (from_configs / get_kv_spec / bind_kv_cache / load_weights / forward with attn_metadata):
 # the same architecture names then resolve to the contract adapters (vllm_trn_plugin/neuron, docs/trainium.md).
 NEURON_ENTRY = "VLLM_TRN_NEURON_ENTRY"  # auto | neuron | vllm

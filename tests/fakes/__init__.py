@@ -1,1 +1,2 @@
-"""Stand-ins for runners this machine cannot install (vllm-neuron's Beta runner), driving the plugin as they do."""
+"""Stand-ins for what this machine cannot install (vLLM Neuron's runner, torch-neuronx's NKI interface), driving the
+plugin as they do."""
