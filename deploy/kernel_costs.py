@@ -58,6 +58,16 @@ def _runner(lnc: int) -> Any:
     return simulate if lnc == 1 else (lambda kernel: simulate(kernel[lnc], compiler_lnc=lnc))
 
 
+def random_absorbed_weights(g: torch.Generator) -> AbsorbedWeights:
+    """A latent layer's absorbed weights at Trinity-Mini's geometry, bf16, drawn from `g`."""
+    return AbsorbedWeights(
+        torch.rand(HD, generator=g).bfloat16() + 0.5,
+        (torch.randn(HKV, HD, R, generator=g) / 16).bfloat16(),
+        (torch.randn(HKV, HD, R, generator=g) / 16).bfloat16(),
+        HD**-0.5,
+    )
+
+
 def _check(name: str, want: dict[str, Any]) -> None:
     c = nki.last_counters()
     bad = {}
@@ -78,12 +88,7 @@ def verify() -> None:
     bt = torch.zeros(3, 18, dtype=torch.int32)
     bt[0, :6], bt[1, :16], bt[2, :2] = torch.arange(6), torch.arange(6, 22), torch.arange(22, 24)
     q = torch.randn(3, H, HD, generator=g).bfloat16()
-    weights = AbsorbedWeights(
-        torch.rand(HD, generator=g).bfloat16() + 0.5,
-        (torch.randn(HKV, HD, R, generator=g) / 16).bfloat16(),
-        (torch.randn(HKV, HD, R, generator=g) / 16).bfloat16(),
-        HD**-0.5,
-    )
+    weights = random_absorbed_weights(g)
     history = PagedLatents(
         torch.randn(24 * bs, R, generator=g).bfloat16(),
         torch.rand(24 * bs, HKV, generator=g) + 0.5,
@@ -233,12 +238,7 @@ def before(directory: str) -> list[str]:
         for ctx in (2048, 16384):
             bs, n = 128, b * ctx // 128
             q = torch.randn(b, H, HD, generator=g).bfloat16()
-            w = AbsorbedWeights(
-                torch.rand(HD, generator=g).bfloat16() + 0.5,
-                (torch.randn(HKV, HD, R, generator=g) / 16).bfloat16(),
-                (torch.randn(HKV, HD, R, generator=g) / 16).bfloat16(),
-                HD**-0.5,
-            )
+            w = random_absorbed_weights(g)
             h = PagedLatents(
                 torch.randn(n * bs, R, generator=g).bfloat16(),
                 torch.rand(n * bs, HKV, generator=g) + 0.5,
