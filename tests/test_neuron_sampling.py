@@ -60,9 +60,7 @@ def test_sampled_rows_follow_the_reference_distribution(
 def test_greedy_rows_are_the_argmax_and_rows_are_independent() -> None:
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 50, generator=g)
-    params = torch.tensor(
-        [[-1, 1.0, 0.0], [1, 1.0, 0.8], [-1, 0.9, 0.0], [5, 0.5, 1.0], [1, 0.1, 3.0], [-1, 1.0, 0.0]]
-    )
+    params = torch.tensor([[-1, 1.0, 0.0], [1, 1.0, 0.8], [-1, 0.9, 0.0], [5, 0.5, 1.0], [1, 0.1, 3.0], [-1, 1.0, 0.0]])
     tokens = sample(logits, params, 256)
     assert tokens.dtype == torch.int32
     argmax = logits.argmax(-1)

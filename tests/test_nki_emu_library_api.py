@@ -40,8 +40,16 @@ def test_tensor_tensor_scan_reverse_and_scalar_initial() -> None:
 
     def k(a, b):
         out = nl.ndarray((4, 6), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor_scan(dst=out, data0=load(a), data1=load(b), initial=2.0, op0=nl.subtract, op1=nl.subtract,
-                                reverse0=True, reverse1=True)
+        nisa.tensor_tensor_scan(
+            dst=out,
+            data0=load(a),
+            data1=load(b),
+            initial=2.0,
+            op0=nl.subtract,
+            op1=nl.subtract,
+            reverse0=True,
+            reverse1=True,
+        )
         return store(out)
 
     prev = np.full(4, 2.0, np.float32)
@@ -67,10 +75,26 @@ def test_tensor_scalar_reduce_absmax_and_register_commands() -> None:
         r2 = nl.ndarray((16, 1), nl.float32, buffer=nl.sbuf)
         r3 = nl.ndarray((16, 1), nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar_reduce(dst=d1, data=xa, op0=nl.abs, operand0=0.0, reduce_op=nl.maximum, reduce_res=r1)
-        nisa.tensor_scalar_reduce(dst=d2, data=yb, op0=nl.multiply, operand0=2.0, reduce_op=nl.maximum, reduce_res=r2,
-                                  reduce_cmd=nisa.reduce_cmd.reduce, reduce_res_negate=True)
-        nisa.tensor_scalar_reduce(dst=d2, data=yb, op0=nl.add, operand0=1.0, reduce_op=nl.add, reduce_res=r3,
-                                  reduce_cmd=nisa.reduce_cmd.load_reduce, reduce_init=ic)
+        nisa.tensor_scalar_reduce(
+            dst=d2,
+            data=yb,
+            op0=nl.multiply,
+            operand0=2.0,
+            reduce_op=nl.maximum,
+            reduce_res=r2,
+            reduce_cmd=nisa.reduce_cmd.reduce,
+            reduce_res_negate=True,
+        )
+        nisa.tensor_scalar_reduce(
+            dst=d2,
+            data=yb,
+            op0=nl.add,
+            operand0=1.0,
+            reduce_op=nl.add,
+            reduce_res=r3,
+            reduce_cmd=nisa.reduce_cmd.load_reduce,
+            reduce_init=ic,
+        )
         return store(d1), store(r1), store(r2), store(r3)
 
     d1, r1, r2, r3 = run(k, x, y, init)
@@ -272,7 +296,12 @@ def test_load_store_tile_size_nkiobject_nc_version() -> None:
         run(k_psum, x)
     ts = nl.tile_size
     assert (ts.pmax, ts.psum_fmax, ts.psum_bank_fmax, ts.gemm_stationary_fmax, ts.gemm_moving_fmax) == (
-        128, 512, 512, 128, 512)
+        128,
+        512,
+        512,
+        128,
+        512,
+    )
     assert ts.psum_num_banks == 8 and ts.total_available_sbuf_size == ts.sbuf_fmax_bytes == 192 * 1024
     assert nl.NKIObject(a=1).a == 1
     assert nisa.get_nc_version() == nisa.nc_version.gen3

@@ -94,8 +94,12 @@ def test_cumsum(lib: Any, shape: tuple[int, ...], dtype: str, lnc: int) -> None:
 
 @pytest.mark.parametrize(
     "d_head,b,n_heads,s,contiguous,relayout,lnc",
-    [(64, 1, 1, 16, True, True, 1), (128, 2, 2, 16, False, False, 1), (64, 1, 8, 16, True, False, 2),
-     (128, 2, 1, 128, False, True, 2)],
+    [
+        (64, 1, 1, 16, True, True, 1),
+        (128, 2, 2, 16, False, False, 1),
+        (64, 1, 8, 16, True, False, 2),
+        (128, 2, 1, 128, False, True, 2),
+    ],
 )
 def test_rope(lib: Any, d_head: int, b: int, n_heads: int, s: int, contiguous: bool, relayout: bool, lnc: int) -> None:
     """RoPE (bf16, LNC-sharded when LNC=2) vs ``rope_torch_ref`` with AWS's generator and test_rope's tolerances
@@ -125,10 +129,37 @@ def _router_cfg(t: int, h: int, k: int, act: str, **flags: Any) -> tuple:
     x_input_in_sb, x_hbm_layout, x_sb_layout)."""
     from nkilib_src.nkilib.core.utils.common_types import RouterActFnType
 
-    f = {"bias": True, "prenorm": False, "normprob": False, "coltile": False, "scatter": False, "pebias": False,
-         "shard": False, "outsb": False, "xsb": False, "xhbm": 0, "xsbl": 0} | flags
-    return (t, h, 128, k, getattr(RouterActFnType, act), f["bias"], f["prenorm"], f["normprob"], f["coltile"],
-            f["scatter"], f["pebias"], f["shard"], f["outsb"], f["xsb"], f["xhbm"], f["xsbl"])
+    f = {
+        "bias": True,
+        "prenorm": False,
+        "normprob": False,
+        "coltile": False,
+        "scatter": False,
+        "pebias": False,
+        "shard": False,
+        "outsb": False,
+        "xsb": False,
+        "xhbm": 0,
+        "xsbl": 0,
+    } | flags
+    return (
+        t,
+        h,
+        128,
+        k,
+        getattr(RouterActFnType, act),
+        f["bias"],
+        f["prenorm"],
+        f["normprob"],
+        f["coltile"],
+        f["scatter"],
+        f["pebias"],
+        f["shard"],
+        f["outsb"],
+        f["xsb"],
+        f["xhbm"],
+        f["xsbl"],
+    )
 
 
 ROUTER_CASES = {
@@ -198,8 +229,17 @@ HARNESS_IDS = [
 ]
 
 # What AWS's harness imports beyond the project's test environment (pyproject extra ``nki-library``).
-HARNESS_MODULES = ("pytest_html", "xdist", "boto3", "fabric2", "allpairspy", "aws_embedded_metrics", "plotext",
-                   "filelock", "scipy")
+HARNESS_MODULES = (
+    "pytest_html",
+    "xdist",
+    "boto3",
+    "fabric2",
+    "allpairspy",
+    "aws_embedded_metrics",
+    "plotext",
+    "filelock",
+    "scipy",
+)
 
 
 def harness_missing() -> list[str]:
@@ -220,9 +260,24 @@ def harness_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         PYTHONDONTWRITEBYTECODE="1",
         NKILIB_SIMULATION_RUN_ALL="1",  # AWS skips ids naming 4096/8192/16384 in simulation; ours are small
     )
-    cmd = [sys.executable, "-m", "pytest", "-p", "tests.nki_library_aws_plugin", "-p", "no:cacheprovider",
-           "--rootdir", str(peer.library_dir()), "--test-mode", "simulation", "--output-directory", str(out / "o"),
-           "-rA", "-q", *HARNESS_IDS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "tests.nki_library_aws_plugin",
+        "-p",
+        "no:cacheprovider",
+        "--rootdir",
+        str(peer.library_dir()),
+        "--test-mode",
+        "simulation",
+        "--output-directory",
+        str(out / "o"),
+        "-rA",
+        "-q",
+        *HARNESS_IDS,
+    ]
     proc = subprocess.run(cmd, cwd=peer.library_dir(), env=env, capture_output=True, text=True, timeout=900)
     (out / "log.txt").write_text(proc.stdout + proc.stderr)
     outcomes = {}

@@ -970,8 +970,14 @@ def _vec_regs_update(
     return regs[:parts].copy()
 
 
-_REDUCE_NAMES = {"add": "add", "multiply": "multiply", "maximum": "maximum", "max": "maximum", "minimum": "minimum",
-                 "min": "minimum"}
+_REDUCE_NAMES = {
+    "add": "add",
+    "multiply": "multiply",
+    "maximum": "maximum",
+    "max": "maximum",
+    "minimum": "minimum",
+    "min": "minimum",
+}
 
 
 def _reduce_name(reduce_op: Any, op: str) -> str:
