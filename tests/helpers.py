@@ -171,7 +171,9 @@ PROBE_TOKENS = 12
 
 def raw_logits_llm(model: str | Path, vocab: int, **overrides: object):  # noqa: ANN201
     """A float32 vLLM engine on checkpoint `model` whose sampled steps carry the full raw logits (`greedy_logits`
-    with `vocab`): small batches, 256 MiB of cache, seed 0; `overrides` replace or add LLM arguments."""
+    with `vocab`): small batches, 256 MiB of cache, seed 0, eager (torch.compile's cold start costs a minute or two
+    per engine; the session Laplace engine and test_trinity_vllm.py's engine serve compiled); `overrides` replace or
+    add LLM arguments."""
     from vllm import LLM
 
     args = dict(
@@ -184,6 +186,7 @@ def raw_logits_llm(model: str | Path, vocab: int, **overrides: object):  # noqa:
         logprobs_mode="raw_logits",
         kv_cache_memory_bytes=256 << 20,
         seed=0,
+        enforce_eager=True,
     )
     return LLM(**{**args, **overrides})
 

@@ -1,5 +1,5 @@
 """The CPU development container (deploy/cpu/Dockerfile): built, `make serve` answering /health and
-/v1/completions, `make test` running inside it, all through deploy/cpu/build-and-run.sh.
+/v1/completions, `make test-cpu` running inside it, all through deploy/cpu/build-and-run.sh.
 
 Runs where a container engine works and the base image is available; otherwise it skips, naming what
 is missing. Environment:
@@ -98,4 +98,4 @@ def test_cpu_container_builds_serves_and_tests() -> None:
     assert run.returncode == 0, f"{shlex.join(cmd)} failed (exit {run.returncode}):\n{out[-6000:]}"
     assert "/health: 200" in out
     assert "/v1/completions: 8 tokens" in out
-    assert "make test passed" in out  # tests/test_registration.py, run by `make test` inside the image
+    assert "make test passed" in out  # tests/test_registration.py, run by `make test-cpu` inside the image

@@ -189,7 +189,7 @@ def test_reduced_rank_output_serves(anisotropic: Path, tmp_path: Path) -> None:
     picks the same tokens and gives the same logits."""
     dst = convert_mla(anisotropic, tmp_path / "mla128", latent=128, calib=CALIB, progress=False).dst
     prompts = random_prompts(2, [9, 90], seed=31)  # 90 > the sliding window (64)
-    served = served_greedy_logits(dst, prompts, 8, 259, enforce_eager=True)
+    served = served_greedy_logits(dst, prompts, 8, 259)
     model = load_hf_model(dst)
     errs = []
     for prompt, (tokens, got) in zip(prompts, served):

@@ -46,7 +46,7 @@ def cached_len(prompt_len: int) -> int:
 
 @pytest.fixture(scope="module")
 def pc_llm(laplace_ckpt: Any) -> Any:
-    llm = laplace_engine(laplace_ckpt, max_num_batched_tokens=BUDGET, enable_prefix_caching=True)
+    llm = laplace_engine(laplace_ckpt, max_num_batched_tokens=BUDGET, enable_prefix_caching=True, enforce_eager=True)
     cc = llm.llm_engine.vllm_config.cache_config
     assert (cc.mamba_cache_mode, cc.mamba_block_size, cc.block_size) == ("align", BLOCK, BLOCK)
     yield llm

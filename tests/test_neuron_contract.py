@@ -37,7 +37,7 @@ from tests.fakes.neuron_runner import (
 from tests.helpers import count_calls, greedy_params, random_prompts, token_prompts, trn2_recipe_argv
 from vllm_trn_plugin.kernels.dispatch import KERNEL_OPS
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.neuron]  # run on vLLM 0.29 (Makefile: test-vllm029)
 
 
 @pytest.fixture(scope="module")

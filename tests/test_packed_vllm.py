@@ -420,7 +420,7 @@ def test_trinity_packed_sharded_equals_its_fp8_reference(
     engine_kw, rounding = LAYOUTS[layout]
     prompts = random_prompts(len(TRINITY_LENGTHS), TRINITY_LENGTHS, seed=22)
     with worker_functions_allowed():
-        llm = raw_logits_llm(packed, VOCAB, kv_cache_memory_bytes=128 << 20, enforce_eager=True, **engine_kw)
+        llm = raw_logits_llm(packed, VOCAB, kv_cache_memory_bytes=128 << 20, **engine_kw)
         try:
             ranks = llm.apply_model(_fp8_shards)
             served = _served(llm, prompts)

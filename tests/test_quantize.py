@@ -281,8 +281,7 @@ def test_converted_and_quantized_checkpoint_serves(dirs: dict[str, Path]) -> Non
     unquantized converted model."""
     prompts = random_prompts(2, [9, 90], seed=31)
     steps = 8
-    # Eager: compiled mode is covered by test_packed_vllm; this checks the checkpoint.
-    served = served_greedy_logits(dirs["gptq"], prompts, steps, VOCAB, enforce_eager=True)
+    served = served_greedy_logits(dirs["gptq"], prompts, steps, VOCAB)
     plain = load_hf_model(dirs["mla"])
     fp8_ref = patch_afmoe_fp8(copy.deepcopy(plain), *load_packed(dirs["gptq"]))
     cos_ref, cos_plain = [], []

@@ -98,6 +98,7 @@ def llm(checkpoints: tuple[Any, Any], refs: dict[str, dict]):  # noqa: ANN201
             max_logprobs=VOCAB,
             logprobs_mode="raw_logits",
             seed=0,
+            enforce_eager=True,  # layout, not compilation: test_trinity_vllm.py serves compiled
         )
         yield engine
         del engine

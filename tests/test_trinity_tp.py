@@ -62,7 +62,6 @@ def llm(checkpoints: tuple[Any, Any], refs: dict[str, dict]):  # noqa: ANN201
             max_num_seqs=4,
             max_num_batched_tokens=None,
             kv_cache_memory_bytes=128 << 20,
-            enforce_eager=True,
         )
         yield engine
         del engine

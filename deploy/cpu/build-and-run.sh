@@ -25,7 +25,7 @@ usage: deploy/cpu/build-and-run.sh [options]
   --network-host          run the container on the host's network instead of publishing the port
   --port N                host port for the server (default 8000)
   --timeout S             seconds to wait for /health (default 900)
-  --make-test ARGS        afterwards, run `make test PYTEST_ARGS="ARGS"` in a fresh container
+  --make-test ARGS        afterwards, run `make test-cpu PYTEST_ARGS="ARGS"` (vLLM 0.32's part) in a fresh container
   -h, --help              this text
 
 example (a host with no registry, podman as root):
@@ -190,8 +190,8 @@ step "stop"
 "$ENGINE" stop -t 20 "$NAME" >/dev/null
 
 if [ -n "$MAKE_TEST" ]; then
-  step "make test PYTEST_ARGS=\"$MAKE_TEST\" in a fresh container"
-  "$ENGINE" run --rm --shm-size 4g "${ULIMITS[@]}" ${RUNTIME:+--runtime "$RUNTIME"} "$TAG" make test "PYTEST_ARGS=$MAKE_TEST" \
-    || die "make test failed in the container (see the output above)"
+  step "make test-cpu PYTEST_ARGS=\"$MAKE_TEST\" in a fresh container"
+  "$ENGINE" run --rm --shm-size 4g "${ULIMITS[@]}" ${RUNTIME:+--runtime "$RUNTIME"} "$TAG" make test-cpu "PYTEST_ARGS=$MAKE_TEST" \
+    || die "make test-cpu failed in the container (see the output above)"
 fi
 echo "PASS: $TAG served the demo checkpoint and answered /health and /v1/completions${MAKE_TEST:+; make test passed}"
