@@ -98,4 +98,4 @@ def test_cpu_container_builds_serves_and_tests() -> None:
     assert run.returncode == 0, f"{shlex.join(cmd)} failed (exit {run.returncode}):\n{out[-6000:]}"
     assert "/health: 200" in out
     assert "/v1/completions: 8 tokens" in out
-    assert "make test passed" in out  # tests/test_registration.py, run by `make test-cpu` inside the image
+    assert "make test-cpu passed" in out  # tests/test_registration.py, run by `make test-cpu` inside the image

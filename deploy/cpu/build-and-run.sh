@@ -194,4 +194,4 @@ if [ -n "$MAKE_TEST" ]; then
   "$ENGINE" run --rm --shm-size 4g "${ULIMITS[@]}" ${RUNTIME:+--runtime "$RUNTIME"} "$TAG" make test-cpu "PYTEST_ARGS=$MAKE_TEST" \
     || die "make test-cpu failed in the container (see the output above)"
 fi
-echo "PASS: $TAG served the demo checkpoint and answered /health and /v1/completions${MAKE_TEST:+; make test passed}"
+echo "PASS: $TAG served the demo checkpoint and answered /health and /v1/completions${MAKE_TEST:+; make test-cpu passed}"
