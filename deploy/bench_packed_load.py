@@ -6,8 +6,11 @@ Run (from the repository root)::
     .venv/bin/python deploy/bench_packed_load.py --moe-layers 1 # quick look (packed checkpoint < 2 GB)
 
 1. Expansion throughput: `loaders.mxfp4.expand_rows` on a random [rows x 2048] MXFP4 matrix vs this machine's
-   memcpy (torch copy of a buffer the size of the FP8 output), interleaved reps, same thread count; printed as
-   output bytes per second and as a ratio of memcpy bandwidth.
+   memcpy (torch copy of a buffer the size of the FP8 output), interleaved reps, same thread count; printed side by
+   side as output bytes per second and as a ratio of memcpy bandwidth (target >= 0.3). Then a rank's expansion
+   time under tensor parallelism: rank 0 of 2 expanding only the part it keeps (the output rows of a
+   column-parallel matrix, the input columns of a row-parallel one, as `packed_weights` does at TP=2) against the
+   whole matrix (TP=1), timed in-process (no engine). `--expansion-only` stops after this part.
 2. One MLA-Trinity checkpoint at Trinity-Mini's layer geometry (hidden 2048, 128 experts x 1024, 32 q / 4 KV
    heads x 128, latent 256, [S, S, S, F] pattern) with `--moe-layers` MoE layers after one dense layer, written
    in bf16 tensor by tensor (shards of ~1 GB), and its packed form (`vllm-trn pack`). Each is loaded by vLLM
@@ -23,7 +26,7 @@ are compared: the machine is noisy, the ratios are what count.
    shard), its routed-expert bytes, its anonymous resident memory after the load (RssAnon: the shard plus the
    runtime, not the checkpoint's file pages) and its peak RSS (VmHWM, file pages included). The claim checked:
    a rank's memory is about its shard, not the whole checkpoint (the reader streams one matrix at a time; each
-   rank expands every matrix it reads in full and keeps its part).
+   rank expands only the part of each MLP matrix it keeps).
 """
 
 from __future__ import annotations
@@ -92,6 +95,9 @@ def load_per_rank(ckpt: Path, tp: int) -> list[dict]:
 
 
 def expansion(reps: int, rows: int) -> dict:
+    """Part 1: `expand_rows` on a random [rows x 2048] MXFP4 matrix against memcpy of its FP8 output's size, and a
+    tensor-parallel rank's share of it: rank 0 of 2 expanding its output rows (column-parallel gate/up) and its input
+    columns (row-parallel down) against the whole matrix (TP=1). Interleaved reps, medians, same thread count."""
     from vllm_trn_plugin.loaders.mxfp4 import expand_rows
 
     g = torch.Generator().manual_seed(0)
@@ -101,24 +107,44 @@ def expansion(reps: int, rows: int) -> dict:
     src, dst = torch.empty(rows * cols, dtype=torch.uint8), torch.empty(rows * cols, dtype=torch.uint8)
     src.fill_(1)
     dst.copy_(src)
-    expand_rows(packed, scales, file="bench", tensor="w")
-    t_exp, t_cpy = [], []
+    runs = {
+        "memcpy": lambda: dst.copy_(src),
+        "expand": lambda: expand_rows(packed, scales, file="bench", tensor="w"),
+        "tp2_rows": lambda: expand_rows(packed, scales, file="bench", tensor="w", rows=(0, rows // 2)),
+        "tp2_cols": lambda: expand_rows(packed, scales, file="bench", tensor="w", cols=(0, cols // 2)),
+    }
+    for f in runs.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(reps):
-        t = time.perf_counter()
-        expand_rows(packed, scales, file="bench", tensor="w")
-        t_exp.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        dst.copy_(src)
-        t_cpy.append(time.perf_counter() - t)
+        for k, f in runs.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
     out_bytes = rows * cols
-    e, c = statistics.median(t_exp), statistics.median(t_cpy)
     return {
         "elements": out_bytes,
-        "expand_GBps": out_bytes / e / 1e9,
-        "memcpy_GBps": out_bytes / c / 1e9,
-        "ratio": c / e,
+        "expand_GBps": out_bytes / med["expand"] / 1e9,
+        "memcpy_GBps": out_bytes / med["memcpy"] / 1e9,
+        "ratio": med["memcpy"] / med["expand"],
         "threads": torch.get_num_threads(),
+        "tp1_s": med["expand"],
+        "tp2_rows_s": med["tp2_rows"],
+        "tp2_cols_s": med["tp2_cols"],
     }
+
+
+def report_expansion(ex: dict) -> None:
+    print(
+        f"{ex['elements'] / 1e6:.0f}M elements, {ex['threads']} threads: expand {ex['expand_GBps']:.2f} GB/s of FP8 "
+        f"output | memcpy {ex['memcpy_GBps']:.2f} GB/s | ratio {ex['ratio']:.3f} x memcpy (target >= 0.3)"
+    )
+    print(
+        f"per-rank expansion of that matrix: TP=1 {ex['tp1_s'] * 1e3:.1f} ms | TP=2 rank 0, output rows "
+        f"(gate/up) {ex['tp2_rows_s'] * 1e3:.1f} ms ({ex['tp2_rows_s'] / ex['tp1_s']:.2f}x) | TP=2 rank 0, input "
+        f"columns (down) {ex['tp2_cols_s'] * 1e3:.1f} ms ({ex['tp2_cols_s'] / ex['tp1_s']:.2f}x)"
+    )
 
 
 def write_bf16(out: Path, moe_layers: int) -> Path:
@@ -167,6 +193,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--tensor-parallel-sizes", type=int, nargs="*", default=[1, 2], help="part 3 (none: skip)")
     ap.add_argument("--out", default="bench-out/bench_packed_load")
+    ap.add_argument("--expansion-reps", type=int, default=7)
+    ap.add_argument("--expansion-only", action="store_true", help="part 1 only (a minute, no checkpoint)")
     ap.add_argument("--child-tp", nargs=2, metavar=("CKPT", "TP"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child_tp:
@@ -176,11 +204,10 @@ def main() -> None:
 
     root = Path(args.out)
     print("== expansion throughput (loaders.mxfp4.expand_rows) vs memcpy, same run")
-    ex = expansion(reps=7, rows=16384)
-    print(
-        f"{ex['elements'] / 1e6:.0f}M elements, {ex['threads']} threads: expand {ex['expand_GBps']:.2f} GB/s of FP8 "
-        f"output, memcpy {ex['memcpy_GBps']:.2f} GB/s -> expansion runs at {ex['ratio']:.3f} x memcpy"
-    )
+    ex = expansion(reps=args.expansion_reps, rows=16384)
+    report_expansion(ex)
+    if args.expansion_only:
+        return
 
     bf16, packed = root / "bf16", root / "packed"
     if not (bf16 / "config.json").exists():

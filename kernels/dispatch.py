@@ -28,7 +28,13 @@ import torch
 
 from vllm_trn_plugin import envs
 from vllm_trn_plugin.kernels import nki_ops
-from vllm_trn_plugin.kernels.fp8_expert import ExpertWeights
+from vllm_trn_plugin.kernels.fp8_expert import (
+    FP8_DTYPE,
+    ExpertWeights,
+    quantize_per_token,
+    row_linear,
+    scaled_mm_products,
+)
 from vllm_trn_plugin.kernels.fp8_expert import fp8_experts as fp8_experts_torch
 from vllm_trn_plugin.kernels.latent_decode import AbsorbedWeights, PagedLatents, latent_decode_torch
 from vllm_trn_plugin.kernels.simple_gla import simple_gla_decode_step
@@ -143,25 +149,47 @@ def _fp8_experts(
     s2: torch.Tensor,
     b2: torch.Tensor,
     all_local: bool,
+    c13: list[torch.Tensor],
+    c2: list[torch.Tensor],
 ) -> torch.Tensor:
     """MLA-Trinity's routed experts (fp8_expert.fp8_experts): x.dtype [T, H]. Which experts run depends on the
     routing, so the op chooses them itself. A stack held in bf16 or the model dtype (the VLLM_TRN_ALLOW_BF16 opt-in,
     or unquantized experts off Neuron) always takes the torch path: the kernel is FP8 x FP8 only.
-    `all_local` False (expert parallelism): ids < 0 name other ranks' experts."""
+    `all_local` False (expert parallelism): ids < 0 name other ranks' experts. `c13`, `c2`: each expert's compute
+    copies (fp8_expert.expert_compute_copies), which the torch path multiplies with, or empty lists."""
     experts = ExpertWeights(w13, s13, b13, w2, s2, b2)
     runner = kernel_runner(x.device)
     if runner is None or not experts.fp8:
-        return fp8_experts_torch(x, topk_weights, topk_ids, experts)
+        return fp8_experts_torch(x, topk_weights, topk_ids, experts, (c13, c2) if c13 else None)
     return _kernel_wrapper("fp8_expert", "fp8_experts_nki")(x, topk_weights, topk_ids, experts, runner, all_local)
 
 
 @_fp8_experts.register_fake
-def _(x, topk_weights, topk_ids, w13, s13, b13, w2, s2, b2, all_local):  # noqa: ANN001, ANN202
+def _(x, topk_weights, topk_ids, w13, s13, b13, w2, s2, b2, all_local, c13, c2):  # noqa: ANN001, ANN202
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("trn::fp8_linear", mutates_args=())
+def _fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    row_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    compute: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A quantized linear layer (fp8_expert.row_linear): float32 [T, N] from the weight's compute copy where it has
+    one (fp8_expert.fp8_compute_copy). One opaque node in a compiled graph: the copy is an FBGEMM handle no tracer
+    can read."""
+    return row_linear(x, weight, row_scale, bias, compute)
+
+
+@_fp8_linear.register_fake
+def _(x, weight, row_scale, bias=None, compute=None):  # noqa: ANN001, ANN202
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
 # The op names as vLLM's compilation config writes them (splitting ops).
-KERNEL_OPS = ("trn::gla_decode_step", "trn::latent_decode", "trn::fp8_experts")
+KERNEL_OPS = ("trn::gla_decode_step", "trn::latent_decode", "trn::fp8_experts", "trn::fp8_linear")
 
 
 # --- what the models call: the Neuron graph op on Neuron, else the trn op ---
@@ -211,9 +239,11 @@ def fp8_experts(
     s2: torch.Tensor,
     b2: torch.Tensor,
     all_local: bool,
+    compute: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """MLA-Trinity's routed experts (`_fp8_experts`): x.dtype [T, H]. On Neuron the kernel is FP8 x FP8 only: an
-    expert stack in another dtype is refused when the graph is traced."""
+    expert stack in another dtype is refused when the graph is traced. `compute`: the experts' compute copies for
+    the torch path (fp8_expert.expert_compute_copies), or None."""
     if graph_kernels(x.device):
         if not ExpertWeights(w13, s13, b13, w2, s2, b2).fp8:
             raise NotImplementedError(
@@ -221,7 +251,28 @@ def fp8_experts(
                 "needs a packed checkpoint (vllm-trn pack: MXFP4 experts expanded to FP8 at load)"
             )
         return torch.ops.trn.nki_fp8_experts(x, topk_weights, topk_ids, w13, s13, b13, w2, s2, b2, all_local)
-    return torch.ops.trn.fp8_experts(x, topk_weights, topk_ids, w13, s13, b13, w2, s2, b2, all_local)
+    c13, c2 = compute if compute is not None else ([], [])
+    return torch.ops.trn.fp8_experts(x, topk_weights, topk_ids, w13, s13, b13, w2, s2, b2, all_local, c13, c2)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    row_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    compute: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A quantized linear layer (dense MLPs, shared experts, the LM head): float32 [T, N] =
+    (Q(x) @ weight^T) * s_tok * row_scale + bias (fp8_expert.fp8_linear). On Neuron the FP8 operands enter the graph
+    as torch's FP8 GEMM (`_scaled_mm`, unit scales, fp32 out; the scales applied after, in fp32), never as a
+    conversion of the weight; elsewhere the `trn::fp8_linear` op, from the weight's compute copy on CPU."""
+    if graph_kernels(x.device):
+        if weight.dtype != FP8_DTYPE:  # the VLLM_TRN_ALLOW_BF16 opt-in: unquantized, traced
+            return row_linear(x, weight, row_scale, bias)
+        xq, s_tok = quantize_per_token(x)
+        y = scaled_mm_products(xq, weight) * s_tok[:, None] * row_scale[None, :]
+        return y if bias is None else y + bias.float()
+    return torch.ops.trn.fp8_linear(x, weight, row_scale, bias, compute)
 
 
 nki_ops.register_installed()

@@ -19,9 +19,15 @@ only the fp32 accumulation rounds (and its order is the device's, not part of th
 scales are applied to the accumulator's output in the order written, then the bias, all in
 float32. The result stays float32; callers cast.
 
-On CPU the fastest exact path is torch's float32 matmul on the FP8 values upcast (exactly) to
-float32: there is no FP8 GEMM on this host, and the upcast of a weight matrix is cheaper than any
-emulation. On Trainium the same math runs on TensorE in double-row FP8 mode (fp8_expert_nki.py).
+Where the FP8 x FP8 products are computed (`fp8_matmul`), never by converting a weight per call:
+- CPU: a compute copy made once at load (`fp8_compute_copy`): every E4M3 value is an fp16 value, and FBGEMM's
+  fp16-weight GEMM multiplies fp32 activations by it with fp32 accumulation (products exact, as above), at 2 bytes
+  per weight; where FBGEMM is missing, an fp32 copy (4 bytes per weight). torch has no CPU GEMM that reads FP8 or
+  returns fp32 from bf16 operands (`_scaled_mm` on CPU converts per call: docs/fp8.md has the measurements). A
+  layer without a copy (the FP8-only residency opt-in) converts its weight in bounded row chunks per call.
+- GPU (and the Neuron graph): `torch._scaled_mm` on the FP8 operands with unit scales and an fp32 output: the
+  hardware's FP8 GEMM, the same products and fp32 accumulation; the scales are applied here, in the order written.
+- Trainium's FP8 experts: TensorE in double-row FP8 mode (fp8_expert_nki.py).
 
 Where each form lives: this module is the definition and the torch path at once (plain torch, no tiling):
 `fp8_expert` is one expert's MLP and `fp8_experts` the routed sum over a layer's experts; the tests compare
@@ -32,6 +38,7 @@ kernel.
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -51,26 +58,149 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, a * INV_FP8_MAX
 
 
+FP8_E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value (fp8_to_float32's NaN codes come out beyond it)
+# Below this many codes torch's own conversion is faster than fp8_to_float32's fixed cost of a few passes (measured on
+# a 2-core CPU: 8 vs 73 us at 1k codes, 145 vs 83 us at 32k)
+_FAST_FP8_MIN = 1 << 14
+
+
+def fp8_to_float32(
+    codes: torch.Tensor, out: torch.Tensor | None = None, *, work: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp32 values of float8_e4m3fn codes, bit for bit those of `codes.float()` (the NaN codes 0x7F / 0xFF
+    included), written into `out` (contiguous fp32, codes' shape) when given; `work`: a reusable int16 buffer of at
+    least codes.numel() elements (else one is allocated).
+
+    On CPU torch converts FP8 one element at a time in software (about 5 ns a code: 40-60 ms for a 32k x 256
+    history, on every decode step). Here the conversion is a few vectorised passes instead (about 3x faster on a
+    whole history, about 10x on a cache-resident 2048-key decode tile, measured on a 2-core CPU host):
+    an E4M3 code (exponent bias 7) is an IEEE half (bias 15) once its sign moves to bit 15 and its exponent and
+    mantissa 7 bits up, with the value scaled by 2^-8 (subnormal codes land on half subnormals, step 2^-17 = 2^-9 x
+    2^-8); half -> fp32 is exact and so is the x 256 after it. Only the NaN codes come out wrong (as +-480, out of
+    E4M3's +-448 range), so a min/max pass finds them and they are rewritten (a cache the quantizer wrote has none).
+    Other devices convert natively."""
+    if codes.dtype != FP8_DTYPE:
+        raise ValueError(f"fp8_to_float32 takes {FP8_DTYPE} codes, got {codes.dtype}")
+    if out is None:
+        out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    elif out.dtype != torch.float32 or out.shape != codes.shape or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(codes.shape)}")
+    if codes.device.type != "cpu" or codes.numel() < _FAST_FP8_MIN:
+        return out.copy_(codes)
+    if work is None:
+        work = torch.empty(codes.numel(), dtype=torch.int16, device=codes.device)
+    half = work[: codes.numel()].view(codes.shape)
+    half.copy_(codes.view(torch.int8))  # sign-extending: a negative code 0x80 | m reads m - 128
+    # (m - 128) x 128 = 0xC000 | m << 7 as int16: clearing bit 14 leaves the sign bit and m << 7 (a multiply, not a
+    # shift: no overflow, |s| x 128 <= 2^14, so nothing implementation-defined about shifting negatives).
+    half.mul_(128).bitwise_and_(~0x4000)
+    out.copy_(half.view(torch.float16)).mul_(256.0)
+    lo, hi = torch.aminmax(out)
+    if bool(hi > FP8_E4M3_MAX) or bool(lo < -FP8_E4M3_MAX):
+        nan = out.abs() > FP8_E4M3_MAX
+        out[nan] = codes[nan].float()  # torch's own NaN bit patterns (0x7FF00000 for 0x7F), as `codes.float()` has
+    return out
+
+
+_CHUNK_ELEMS = 1 << 22  # weight elements converted at a time without a compute copy: a 16 MB fp32 temporary
+
+
+def _fbgemm_fp16() -> bool:
+    """Whether this torch has FBGEMM's fp16-weight GEMM and it computes FP8 products exactly (probed once)."""
+    global _FBGEMM_OK
+    if _FBGEMM_OK is None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # deprecated in torch's Python API, still its fastest exact CPU GEMM
+                w = torch.tensor([[2.0**-9, 240.0], [-1.5, 2.0**-6]])
+                x = torch.tensor([[2.0**-9, 240.0]])
+                got = torch.fbgemm_linear_fp16_weight_fp32_activation(x, torch.fbgemm_pack_gemm_matrix_fp16(w), None)
+            _FBGEMM_OK = torch.equal(got, (x.double() @ w.double().t()).float())
+        except (AttributeError, RuntimeError):
+            _FBGEMM_OK = False
+    return _FBGEMM_OK
+
+
+_FBGEMM_OK: bool | None = None
+
+
+def fp8_compute_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """What the CPU multiplies the FP8 matrix `weight` [N, K] with, made once when the weights are loaded: FBGEMM's
+    packed fp16 copy (an opaque handle tensor, 2 bytes per weight behind it) where FBGEMM runs, else an fp32 copy
+    (4 bytes per weight). Exact either way: every E4M3 value is an fp16 value. A bf16 matrix (the VLLM_TRN_ALLOW_BF16
+    opt-in, computed unquantized in fp32) gets its fp32 copy. None off the CPU (a device has its own FP8 GEMM)."""
+    if weight.dtype not in (FP8_DTYPE, torch.bfloat16) or weight.device.type != "cpu":
+        return None
+    w = weight.float()
+    if weight.dtype == FP8_DTYPE and _fbgemm_fp16():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.fbgemm_pack_gemm_matrix_fp16(w)
+    return w
+
+
+def scaled_mm_products(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum_k xq[t, k] * weight[n, k] by torch's FP8 GEMM (`_scaled_mm`, unit scales, fp32 out): [T, N] float32."""
+    one = torch.ones((), dtype=torch.float32, device=xq.device)
+    return torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+
+
+def fp8_matmul(xq: torch.Tensor, weight: torch.Tensor, compute: torch.Tensor | None = None) -> torch.Tensor:
+    """The FP8 x FP8 products with fp32 accumulation, [T, N] float32, for FP8 activations xq [T, K] and the FP8
+    weight [N, K]: from its compute copy (`fp8_compute_copy`) on CPU, by the device's FP8 GEMM on a GPU, else
+    converting the weight in row chunks (bounded memory: the FP8-only residency opt-in)."""
+    if weight.is_cuda and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0:
+        return scaled_mm_products(xq, weight)
+    xf = fp8_to_float32(xq) if xq.dtype == FP8_DTYPE else xq.float()
+    if compute is not None:
+        if compute.dtype == torch.float32:
+            return xf @ compute.t()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.fbgemm_linear_fp16_weight_fp32_activation(xf, compute, None)
+    if weight.dtype != FP8_DTYPE:
+        return xf @ weight.float().t()
+    n, k = weight.shape
+    step = max(1, min(n, _CHUNK_ELEMS // max(1, k)))
+    chunk = torch.empty(step, k, dtype=torch.float32, device=weight.device)
+    work = torch.empty(step * k, dtype=torch.int16, device=weight.device)
+    out = torch.empty(xq.shape[0], n, dtype=torch.float32, device=xq.device)
+    for n0 in range(0, n, step):
+        rows = min(step, n - n0)
+        w = fp8_to_float32(weight[n0 : n0 + rows], chunk[:rows], work=work)
+        torch.matmul(xf, w.t(), out=out[:, n0 : n0 + rows])
+    return out
+
+
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    row_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    compute: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = (Q(x) @ weight^T) * s_tok[:, None] * row_scale[None, :] + bias, float32 [T, N].
 
-    x [T, K] any float dtype; weight float8_e4m3fn [N, K]; row_scale float32 [N]; bias [N] or None.
+    x [T, K] any float dtype; weight float8_e4m3fn [N, K]; row_scale float32 [N]; bias [N] or None; compute the
+    weight's `fp8_compute_copy` (or None).
     """
     xq, s_tok = quantize_per_token(x)
-    acc = xq.float() @ weight.float().t()
+    acc = fp8_matmul(xq, weight, compute)
     y = acc * s_tok[:, None] * row_scale[None, :]
     return y if bias is None else y + bias.float()
 
 
 def row_linear(
-    x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    row_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    compute: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp8_linear for FP8 weights; for a weight held in bf16 (VLLM_TRN_ALLOW_BF16) the same formula unquantized."""
     if weight.dtype == FP8_DTYPE:
-        return fp8_linear(x, weight, row_scale, bias)
-    y = (x.float() @ weight.float().t()) * row_scale[None, :]
+        return fp8_linear(x, weight, row_scale, bias, compute)
+    y = (x.float() @ (weight.float() if compute is None else compute).t()) * row_scale[None, :]
     return y if bias is None else y + bias.float()
 
 
@@ -152,28 +282,47 @@ class ExpertWeights(NamedTuple):
         return self._replace(w13=w13, w2=w2)
 
 
-def fp8_expert(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+def fp8_expert(
+    x: torch.Tensor, w: ExpertWeights, compute: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
     """One expert (`w` without the expert dimension, either layout) on every row of x [T, H]: y float32 [T, H] =
-    down(SiLU(gate(x)) * up(x)), each projection a `row_linear` (every product FP8 for FP8 weights). A tiled
-    matrix is made row-major first (an exact copy), so both layouts give the same bits."""
-    w = w.row_major()
-    gate, up = row_linear(x, w.w13, w.s13, w.b13).chunk(2, dim=-1)
-    return row_linear(torch.nn.functional.silu(gate) * up, w.w2, w.s2, w.b2)
+    down(SiLU(gate(x)) * up(x)), each projection a `row_linear` (every product FP8 for FP8 weights). With the
+    compute copies of its row-major w13 and w2 (`expert_compute_copies`) the products come from them; without, a
+    tiled matrix is made row-major first (an exact copy), so both layouts give the same products."""
+    c13, c2 = compute if compute is not None else (None, None)
+    if compute is None:
+        w = w.row_major()
+    gate, up = row_linear(x, w.w13, w.s13, w.b13, c13).chunk(2, dim=-1)
+    return row_linear(torch.nn.functional.silu(gate) * up, w.w2, w.s2, w.b2, c2)
+
+
+def expert_compute_copies(experts: ExpertWeights) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """Each expert's `fp8_compute_copy` of its row-major w13 and w2 (made once, at load), or None where a matrix has
+    none (off the CPU)."""
+    w = experts.row_major()
+    c13 = [fp8_compute_copy(m) for m in w.w13]
+    c2 = [fp8_compute_copy(m) for m in w.w2]
+    return None if any(c is None for c in c13 + c2) else (c13, c2)
 
 
 def fp8_experts(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeights
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    experts: ExpertWeights,
+    compute: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Routed experts, torch path: sum_k topk_weights[t, k] * fp8_expert(x_t, experts[e]), e = topk_ids[t, k].
 
     Experts are visited in ascending order (the NKI kernel's order). An id < 0 is an expert this rank does not
-    hold (expert parallelism): it adds nothing here. Returns x.dtype [T, H].
+    hold (expert parallelism): it adds nothing here. `compute`: `expert_compute_copies(experts)`, or None.
+    Returns x.dtype [T, H].
     """
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
         if e < 0:
             continue
         tok, k = (topk_ids == e).nonzero(as_tuple=True)
-        y = fp8_expert(x[tok], experts.expert(e))
+        y = fp8_expert(x[tok], experts.expert(e), None if compute is None else (compute[0][e], compute[1][e]))
         out.index_add_(0, tok, y * topk_weights[tok, k, None].float())
     return out.to(x.dtype)

@@ -37,10 +37,10 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE
+from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, fp8_to_float32
 
 DECODE_TILE = 2048  # keys per tile of the torch path (rounded to whole cache blocks)
-_workspace: dict[tuple[torch.dtype, torch.device, bool], torch.Tensor] = {}
+_workspace: dict[tuple[str, torch.dtype, torch.device, bool], torch.Tensor] = {}
 
 
 class AbsorbedWeights(NamedTuple):
@@ -80,9 +80,25 @@ class PagedLatents(NamedTuple):
         return lens
 
 
+def _scratch(name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reused flat buffer of n elements for one use (`name`) of the torch path: a fresh tensor per tile would page-
+    fault its pages in on every step (docs/kernels.md has the measurement). Its contents live until the next call
+    with the same name, so only a value consumed before then may sit in it."""
+    # One buffer per inference-mode state: a buffer made under vLLM's inference_mode is an inference tensor, which
+    # a later no_grad caller (or vice versa) may not write in place.
+    key = (name, dtype, device, torch.is_inference_mode_enabled())
+    buf = _workspace.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _workspace[key] = torch.empty(n, dtype=dtype, device=device)
+    return buf[:n]
+
+
 def dequantize_latents(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """c_i = d_i * fp32(code_i): [T, r] fp32."""
-    return codes.float() * scales.float()[:, None]
+    """c_i = d_i * fp32(code_i): [T, r] fp32 (the codes converted by `fp8_to_float32`, equal to torch's conversion)."""
+    if codes.dtype != FP8_DTYPE:
+        return codes.float() * scales.float()[:, None]
+    work = _scratch("fp8 half bits", codes.numel(), torch.int16, codes.device)
+    return fp8_to_float32(codes, work=work).mul_(scales.float()[:, None])
 
 
 def check_latent_scales(h: PagedLatents) -> None:
@@ -109,9 +125,10 @@ def latent_decode_reference(q: torch.Tensor, w: AbsorbedWeights, h: PagedLatents
     for b, L in enumerate(h.lengths(B)):
         i = torch.arange(L, device=q.device)
         rows = h.block_table[b].long()[i // bs] * bs + i % bs
+        # torch's own FP8 conversion here, not fp8_to_float32: the definition stays independent of the fast path.
         c = cache[rows].float()  # [L, r]
         if h.latent_scales is not None:
-            c = dequantize_latents(cache[rows], h.latent_scales.reshape(-1)[rows])
+            c = c * h.latent_scales.reshape(-1)[rows].float()[:, None]
         qg = (q[b].float() * w.gamma.float()).view(Hkv, H // Hkv, hd)
         q_lat = torch.einsum("gjd,gdr->gjr", qg, w.w_k.float())
         score = w.scale * torch.einsum("gjr,lr->gjl", q_lat, c) * key_scales[rows].float().t()[:, None, :]
@@ -128,14 +145,11 @@ def gather_blocks(blocks: torch.Tensor, block_ids: torch.Tensor, length: int) ->
     """
     w = blocks.shape[-1]
     n = block_ids.numel() * blocks.shape[1] * w
-    # One workspace per inference-mode state: a buffer made under vLLM's inference_mode is an inference
-    # tensor, which a later no_grad caller (or vice versa) may not write in place.
-    key = (blocks.dtype, blocks.device, torch.is_inference_mode_enabled())
-    buf = _workspace.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _workspace[key] = torch.empty(n, dtype=blocks.dtype, device=blocks.device)
-    out = buf[:n].view(block_ids.numel(), blocks.shape[1], w)
-    torch.index_select(blocks, 0, block_ids, out=out)
+    out = _scratch("gather", n, blocks.dtype, blocks.device).view(block_ids.numel(), blocks.shape[1], w)
+    if blocks.dtype == FP8_DTYPE:  # copied as bytes: index_select's float8 copy is about 2x slower than uint8's
+        torch.index_select(blocks.view(torch.uint8), 0, block_ids, out=out.view(torch.uint8))
+    else:
+        torch.index_select(blocks, 0, block_ids, out=out)
     return out.view(-1, w)[:length]
 
 
@@ -162,7 +176,12 @@ def _absorbed_decode(
     for start in range(0, block_ids.numel(), per_tile):
         ids = block_ids[start : start + per_tile]
         n = min(length - start * bs, ids.numel() * bs)
-        c = gather_blocks(cache_blocks, ids, n).float()
+        c = gather_blocks(cache_blocks, ids, n)
+        if c.dtype == FP8_DTYPE:  # into a reused buffer: the tile is consumed within this iteration
+            tile = _scratch("fp8 tile", c.numel(), torch.float32, c.device).view(c.shape)
+            c = fp8_to_float32(c, tile, work=_scratch("fp8 half bits", c.numel(), torch.int16, c.device))
+        else:
+            c = c.float()
         key_scale = scale_blocks[ids].view(-1, Hkv)[:n].t() * w.scale  # [Hkv, n]
         d = None if latent_scale_blocks is None else latent_scale_blocks[ids].reshape(-1)[:n].float()
         if d is not None:

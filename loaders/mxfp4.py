@@ -21,8 +21,13 @@ exponents, so the rule is the documented one).
 
 from __future__ import annotations
 
+import math
+import os
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -62,6 +67,10 @@ _E_MIN, _E_MAX = -E8M0_BIAS, E8M0_BIAS  # block exponents of scale bytes 0..254
 _ZERO_BLOCK = -1000  # `rtn_exponents`' mark of an all-zero block, until `limit_spread` gives it its row's exponent
 _ZERO_ROW_EMAX = E8M0_BIAS + ROW_HEADROOM  # an all-zero row gets s_row = 1
 _ROWS_PER_CHUNK_ELEMS = 1 << 22  # rows per chunk x in: bounds the temporaries to ~100 MB
+# Expansion chunks: small enough that a chunk's index words (4 bytes per 4 elements, 1 MB) stay in cache between
+# the passes over them, large enough that the ~15 torch ops per chunk cost little next to the work (measured on
+# 2 cores: 2^20 beat 2^18, 2^19 and 2^21).
+_EXPAND_CHUNK_ELEMS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -196,8 +205,141 @@ def decode_mxfp4(packed: torch.Tensor, scales: torch.Tensor, *, file: str = "?",
     return out.view(*lead, n_in)
 
 
+_QUAD_TABLES: dict[torch.device, torch.Tensor] = {}
+_QUAD_OFFSET = 1 << 15  # a pair of code bytes read as int16 w sits at entry w + 2^15 of its shift's 2^16 entries
+_NONZERO_MASK = 0x7777777777777777  # the magnitude bits of the 16 codes in 8 bytes (sign bits ignored)
+_TWO_LANES = (1 << 32) + 1  # x * _TWO_LANES: an int64 holding x in both int32 halves (0 <= x < 2^31), either byte order
+
+
+def _quad_table(device: torch.device) -> torch.Tensor:
+    """int32 [(MAX_ROW_SPREAD + 1) * 65536]: entry d * 65536 + w + 32768, for w two consecutive code bytes read as one
+    little-endian int16, holds the FP8 bytes of their four E2M1 codes at shift d, in element order.
+
+    One lookup yields four output bytes (the pair table's two): half the lookups and half the index bytes, which is
+    what the expansion's time goes to. 3.7 MB, built once from `_pair_table`, so both agree bit for bit."""
+    if device not in _QUAD_TABLES:
+        pair = (_pair_table(torch.device("cpu")).to(torch.int64) & 0xFFFF).view(MAX_ROW_SPREAD + 1, 256)
+        u = (torch.arange(1 << 16) - _QUAD_OFFSET) & 0xFFFF  # the two bytes (first one low) that entry k stands for
+        quad = pair[:, u & 0xFF] | (pair[:, u >> 8] << 16)  # [d, k]: the first byte's two elements first in memory
+        _QUAD_TABLES[device] = quad.to(torch.int32).reshape(-1).to(device)  # wraps to int32 bit patterns
+    return _QUAD_TABLES[device]
+
+
+def _words(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The code bytes [n, k] reinterpreted as `dtype` words [n, k / size] (a copy only when the bytes are not laid
+    out so that a view can do it, e.g. an odd storage offset)."""
+    try:
+        return codes.view(dtype)
+    except RuntimeError:
+        return codes.clone(memory_format=torch.contiguous_format).view(dtype)
+
+
+def _span(part: tuple[int, int] | None, size: int, what: str) -> tuple[int, int]:
+    if part is None:
+        return 0, size
+    lo, hi = (int(x) for x in part)
+    if not 0 <= lo <= hi <= size:
+        raise ValueError(f"expand_rows: {what} range {part} is not within 0..{size}")
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class _Spread:
+    """A chunk's first row over the 13-octave limit: row and block within the chunk, its spread, the block's shift."""
+
+    row: int
+    block: int
+    spread: int
+    shift: int
+
+
+def _chunk(
+    codes: torch.Tensor, sc: torch.Tensor, kb0: int, kb1: int, out: torch.Tensor, work: list[torch.Tensor]
+) -> torch.Tensor | _Spread:
+    """Expand one chunk of whole rows, keeping blocks kb0..kb1: `codes` uint8 [n, in/2] and `sc` uint8 [n, blocks] are
+    the full rows (the row maximum e_max is over every block of the row, kept or not), `out` float8 [n, kept
+    elements] (any row stride). Returns e_max per row (int16 [n]) or the first row over the spread limit."""
+    n, nb = sc.shape
+    # Nonzero blocks from 8-byte words: 16 bytes = two words per block, sign bits masked off.
+    words = _words(codes, torch.int64).view(n, nb, 2)
+    nonzero = torch.bitwise_or(words[..., 0], words[..., 1]).bitwise_and_(_NONZERO_MASK) != 0
+    e = sc.to(torch.int16)
+    top = torch.where(nonzero, e, -1).amax(-1)  # -1: no nonzero block
+    if bool((top - torch.where(nonzero, e, _E8M0_NAN).amin(-1) > MAX_ROW_SPREAD).any()):  # rare: find the block
+        shift = top.unsqueeze(-1) - e
+        row, block = (int(i) for i in (nonzero & (shift > MAX_ROW_SPREAD)).nonzero()[0])
+        e_nz = e[row][nonzero[row]]
+        return _Spread(row, block, int(e_nz.max() - e_nz.min()), int(shift[row, block]))
+    e_max = torch.where(top < 0, _ZERO_ROW_EMAX, top)
+    kb = kb1 - kb0
+    if n == 0 or kb == 0:
+        return e_max
+    # Index d * 2^16 + w + 2^15 per int16 word w (4 codes), d = e_max - e the block's shift: the per-block part is
+    # written once per block as 8-byte words holding it twice (a broadcast over 4 lanes, where one over the 8 int32
+    # lanes runs 8-element inner loops), then added in one contiguous int32 pass. Zero codes map to +-0 at any
+    # shift, so zero blocks may take any clamped shift; nonzero ones are within 0..13 (checked above).
+    base = (e_max.to(torch.int64).unsqueeze(-1) - sc[:, kb0:kb1]).clamp_(0, MAX_ROW_SPREAD)
+    base.mul_((1 << 16) * _TWO_LANES).add_(_QUAD_OFFSET * _TWO_LANES)
+    idx, lanes = work[0][: n * kb * 8].view(n, kb, 8), work[1][: n * kb * 8]
+    lanes.view(torch.int64).view(n, kb, 4).copy_(base.unsqueeze(-1).expand(n, kb, 4))
+    idx.copy_(_words(codes[:, kb0 * 16 : kb1 * 16], torch.int16).view(n, kb, 8))
+    idx.view(-1).add_(lanes)
+    out32 = out.view(torch.int32)
+    if out32.is_contiguous():
+        torch.index_select(_quad_table(codes.device), 0, idx.view(-1), out=out32.view(-1))
+    else:  # a column part inside a wider matrix: expand in cache, then one strided copy
+        tmp = work[2][: n * kb * 8]
+        torch.index_select(_quad_table(codes.device), 0, idx.view(-1), out=tmp)
+        out32.copy_(tmp.view(n, kb * 8))
+    return e_max
+
+
+def _parallel_chunks(tasks: list[Callable[[list[torch.Tensor]], object]], words: int) -> list[object]:
+    """Run the chunk tasks on every intra-op thread the caller has (torch.get_num_threads()), each task's torch ops
+    single-threaded: torch releases the GIL inside its ops, so the threads run side by side, and whole chunks per
+    thread need no synchronisation per op (at two threads, one op's parallel region per op costs more than it
+    saves on chunk-sized tensors). `words`: the int32 scratch each thread needs. Results in task order.
+
+    A new thread inherits its creator's CPU affinity: where the calling thread is pinned to fewer cores than it has
+    intra-op threads (vLLM's CPU workers pin each OpenMP thread, the calling one included, to one core), threads of
+    ours would share its core, so the chunks run in turn, each op spread over torch's own (pinned) threads."""
+    threads = min(torch.get_num_threads(), len(tasks))
+    if hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) < threads:
+        threads = 1
+
+    def scratch() -> list[torch.Tensor]:
+        return [torch.empty(words, dtype=torch.int32) for _ in range(3)]
+
+    if threads <= 1:
+        work = scratch()
+        return [task(work) for task in tasks]
+    results: list[object] = [None] * len(tasks)
+
+    def worker(k: int) -> None:
+        torch.set_num_threads(1)  # this thread's OpenMP team only
+        work = scratch()
+        for i in range(k, len(tasks), threads):
+            results[i] = tasks[i](work)
+
+    saved = torch.get_num_threads()
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(worker, range(threads)))
+    finally:
+        torch.set_num_threads(saved)  # set_num_threads also records the count process-wide: put the caller's back
+    return results
+
+
 def expand_rows(
-    packed: torch.Tensor, scales: torch.Tensor, *, file: str, tensor: str, allow_bf16: bool = False
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    file: str,
+    tensor: str,
+    allow_bf16: bool = False,
+    rows: tuple[int, int] | None = None,
+    cols: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> ExpandedMatrix:
     """Exact MXFP4 -> FP8 expansion with one power-of-two scale per output row.
 
@@ -208,50 +350,73 @@ def expand_rows(
     s_row = 1).
 
     A row whose nonzero blocks span more than 13 octaves raises CheckpointFormatError naming file, tensor, row,
-    block and spread; with ``allow_bf16`` the whole matrix is returned decoded to bf16 (exact)
-    instead, with ``note`` saying why. A NaN scale byte (0xFF) always raises.
+    block and spread; with ``allow_bf16`` the whole matrix (or part) is returned decoded to bf16 (exact)
+    instead, with ``note`` saying why. A NaN scale byte (0xFF) anywhere in the matrix always raises.
+
+    A part (tensor parallelism: a rank keeps some output rows of a column-parallel matrix, some input columns of a
+    row-parallel one): ``rows`` = (start, stop) of the output dimension (of every matrix of a stack), ``cols`` =
+    (start, stop) of the input dimension, in elements. The result is [..., stop - start, ...] and bit for bit the
+    same slice of the whole matrix's expansion, with the same row scales: s_row depends on every block of a row,
+    so e_max and the spread check read the codes and scales of the kept rows in full (words of 8 bytes and one
+    byte per block: a fraction of the expansion's cost) and only the kept columns are expanded. Rows outside
+    ``rows`` are not read: a row another rank holds is its concern (a refusal or a bf16 fallback there is that
+    rank's). A column range not on 32-element block boundaries expands whole rows and slices them (blocks are the
+    unit of the format; the models' parts are block-aligned). ``out``: a float8_e4m3fn tensor of the result's
+    shape to write into (a view of a larger one, e.g. the full-size tensor vLLM's weight loaders narrow, is fine;
+    merged leading dims must be viewable as one); ignored when the result is bf16.
+
+    The expansion runs in row chunks on every thread of torch's intra-op pool (`_parallel_chunks`), one 4-code
+    table lookup per two code bytes (`_quad_table`).
     """
     lead, codes2, scales2 = _rows(packed, scales, file, tensor)
-    rows, n_in = codes2.shape[0], codes2.shape[1] * 2
+    n_out, nb = packed.shape[-2], scales2.shape[1]
+    n_in = nb * BLOCK_SIZE
+    r0, r1 = _span(rows, n_out, "row")
+    c0, c1 = _span(cols, n_in, "column")
+    if c0 % BLOCK_SIZE or c1 % BLOCK_SIZE:  # not block-aligned: whole rows, then the slice
+        m = expand_rows(packed, scales, file=file, tensor=tensor, allow_bf16=allow_bf16, rows=(r0, r1))
+        w = m.weight[..., c0:c1]
+        if out is not None and m.is_fp8:
+            return ExpandedMatrix(out.copy_(w), m.row_scale, m.note)
+        return ExpandedMatrix(w.contiguous(), m.row_scale, m.note)
+    kb0, kb1 = c0 // BLOCK_SIZE, c1 // BLOCK_SIZE
+    n_mats, n_rows, n_cols = math.prod(lead[:-1]), r1 - r0, c1 - c0
+    part_lead = (*lead[:-1], n_rows)
+    if out is None:
+        out = torch.empty(*part_lead, n_cols, dtype=torch.float8_e4m3fn, device=packed.device)
+    elif out.dtype != torch.float8_e4m3fn or tuple(out.shape) != (*part_lead, n_cols):
+        raise ValueError(
+            f"expand_rows: out must be float8_e4m3fn {(*part_lead, n_cols)}, got {out.dtype} {tuple(out.shape)}"
+        )
+    out3 = out.view(n_mats, n_rows, n_cols)
+    codes3, scales3 = codes2.view(n_mats, n_out, -1), scales2.view(n_mats, n_out, nb)
 
-    w_fp8 = torch.empty(rows, n_in, dtype=torch.float8_e4m3fn, device=packed.device)
-    row_exp = torch.empty(rows, dtype=torch.int16, device=packed.device)
-    pairs = torch.empty(min(rows, max(1, _ROWS_PER_CHUNK_ELEMS // n_in)) * n_in // 2, dtype=torch.int16)
-    step = max(1, _ROWS_PER_CHUNK_ELEMS // n_in)
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        codes, sc = codes2[r0:r1], scales2[r0:r1]
-        nonzero, e_max = _block_stats(codes, sc)
-        shift = e_max.unsqueeze(-1) - sc.to(torch.int16)  # d = e_max - e, >= 0 on nonzero blocks
-        bad = nonzero & (shift > MAX_ROW_SPREAD)
-        if bool(bad.any()):
-            row_in_chunk, block = (int(i) for i in bad.nonzero()[0])
-            row = r0 + row_in_chunk
-            e_nz = sc[row_in_chunk].to(torch.int16)[nonzero[row_in_chunk]]
-            spread = int(e_nz.max() - e_nz.min())
+    step = max(1, min(_ROWS_PER_CHUNK_ELEMS, _EXPAND_CHUNK_ELEMS) // n_in)
+    spans = [(m, s, min(r1, s + step)) for m in range(n_mats) for s in range(r0, r1, step)]
+    tasks = [partial(_chunk, codes3[m, s:e], scales3[m, s:e], kb0, kb1, out3[m, s - r0 : e - r0]) for m, s, e in spans]
+    results = _parallel_chunks(tasks, step * (kb1 - kb0) * 8)
+    row_exp = torch.empty(n_mats, n_rows, dtype=torch.int16, device=packed.device)
+    for (m, s, e), res in zip(spans, results):
+        if isinstance(res, _Spread):
             reason = (
-                f"{_row_label(row, lead)}: block exponents span {spread} octaves (block {block} is "
-                f"{int(shift[row_in_chunk, block])} below the row maximum); FP8 with one scale per row is exact "
+                f"{_row_label(m * n_out + s + res.row, lead)}: block exponents span {res.spread} octaves (block "
+                f"{res.block} is {res.shift} below the row maximum); FP8 with one scale per row is exact "
                 f"only up to {MAX_ROW_SPREAD} octaves"
             )
             if not allow_bf16:
                 raise CheckpointFormatError(
                     f"{file}: tensor {tensor}: {reason} (VLLM_TRN_ALLOW_BF16=1 serves such a matrix in bf16 instead)"
                 )
+            part_codes = packed.narrow(-2, r0, n_rows)[..., kb0 * 16 : kb1 * 16]
+            part_scales = scales.narrow(-2, r0, n_rows)[..., kb0:kb1]
             return ExpandedMatrix(
-                decode_mxfp4(packed, scales, file=file, tensor=tensor),
+                decode_mxfp4(part_codes, part_scales, file=file, tensor=tensor),
                 None,
                 f"{file}: tensor {tensor}: loaded as bfloat16 (exact), not FP8: {reason}",
             )
-        # One table lookup per packed byte: both elements' FP8 bytes for the block's shift d (zero codes map
-        # to +-0 whatever d, so zero blocks may take any clamped shift).
-        base = (shift.clamp(0, MAX_ROW_SPREAD).to(torch.int32) << 8).unsqueeze(-1)  # [rows, blocks, 1]
-        idx = (base + codes.view(r1 - r0, -1, BLOCK_SIZE // 2)).view(-1)  # int32, broadcast over each block's bytes
-        torch.index_select(_pair_table(codes.device), 0, idx, out=pairs[: idx.numel()])
-        w_fp8[r0:r1] = pairs[: idx.numel()].view(torch.float8_e4m3fn).view(r1 - r0, n_in)
-        row_exp[r0:r1] = e_max
+        row_exp[m, s - r0 : e - r0] = res
     row_scale = torch.exp2(row_exp.to(torch.float64) - (E8M0_BIAS + ROW_HEADROOM)).to(torch.float32)
-    return ExpandedMatrix(w_fp8.view(*lead, n_in), row_scale.view(lead))
+    return ExpandedMatrix(out, row_scale.view(part_lead))
 
 
 # ---------------------------------------------------------------- quantization: one rounding for RTN and GPTQ

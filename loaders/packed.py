@@ -44,6 +44,7 @@ __all__ = [
     "LM_HEAD",
     "PACKED_FORMAT",
     "PackReport",
+    "Part",
     "StoredWeight",
     "declares_packed",
     "iter_checkpoint",
@@ -195,8 +196,16 @@ def stored_weights(path_dir: str | Path) -> dict[str, StoredWeight]:
     return out
 
 
+# A rank's part of a matrix (tensor parallelism): (rows, cols), each None (all) or (start, stop) of that dimension.
+Part = tuple[tuple[int, int] | None, tuple[int, int] | None]
+
+
 def iter_checkpoint(
-    path_dir: str | Path, *, allow_bf16: bool = False, skip: Callable[[str], bool] | None = None
+    path_dir: str | Path,
+    *,
+    allow_bf16: bool = False,
+    skip: Callable[[str], bool] | None = None,
+    part: Callable[[str, tuple[int, ...]], Part | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | ExpandedMatrix]]:
     """Stream a (packed or plain) safetensors checkpoint directory one tensor at a time.
 
@@ -210,6 +219,13 @@ def iter_checkpoint(
     With ``allow_bf16`` a matrix that cannot be exact in FP8 comes back as bf16 (``note`` set, also
     logged as a warning); the caller must report it. Names (as yielded) for which ``skip`` is true are neither
     read nor expanded (another rank's experts).
+
+    ``part(name, shape)`` (tensor parallelism; name as yielded, shape the whole matrix's [..., out, in]) may name
+    the rows and columns of an MXFP4 matrix this rank keeps: only those are expanded (``expand_rows``' ``rows`` and
+    ``cols``), into a tensor of the whole matrix's shape, so that the weight loaders, which narrow every matrix to
+    their rank's part themselves, find it where they look; everything outside the part is left unwritten (the
+    allocation of pages nobody touches costs nothing) and must not be read. The row scales outside the part are
+    1. A part that falls back to bf16 comes as a whole-size bf16 tensor, zero outside the part.
     """
     entries, roles = _checked_headers(Path(path_dir))
     # compressed-tensors writes no bias-correction vectors: then each MXFP4 matrix gets a zero one. A checkpoint
@@ -242,12 +258,43 @@ def iter_checkpoint(
             if kind == "fp8":
                 m = _fp8_matrix(get(name), get(partner), entry.file, name, partner)
             else:
-                m = expand_rows(get(name), get(partner), file=str(entry.file), tensor=name, allow_bf16=allow_bf16)
+                codes, scales = get(name), get(partner)
+                keep = part(out, (*codes.shape[:-1], codes.shape[-1] * 2)) if part is not None else None
+                if keep is None:
+                    m = expand_rows(codes, scales, file=str(entry.file), tensor=name, allow_bf16=allow_bf16)
+                else:
+                    m = _expand_part(codes, scales, keep, file=str(entry.file), tensor=name, allow_bf16=allow_bf16)
             if m.note:
                 logger.warning(m.note)
             yield out, m
             if kind == "mxfp4" and zero_bias:
                 yield out.removesuffix(".weight") + ".bias", torch.zeros(m.weight.shape[:-1], dtype=_BIAS_DTYPE)
+
+
+def _expand_part(
+    codes: torch.Tensor, scales: torch.Tensor, keep: Part, *, file: str, tensor: str, allow_bf16: bool
+) -> ExpandedMatrix:
+    """`iter_checkpoint`'s whole-size matrix holding only the part `keep` (see there), written in place."""
+    shape = (*codes.shape[:-1], codes.shape[-1] * 2)
+    (r0, r1), (c0, c1) = ((0, n) if k is None else k for k, n in zip(keep, shape[-2:]))
+    whole = torch.empty(shape, dtype=torch.float8_e4m3fn)
+    m = expand_rows(
+        codes,
+        scales,
+        file=file,
+        tensor=tensor,
+        allow_bf16=allow_bf16,
+        rows=(r0, r1),
+        cols=(c0, c1),
+        out=whole[..., r0:r1, c0:c1],
+    )
+    if not m.is_fp8:
+        whole = torch.zeros(shape, dtype=m.weight.dtype)
+        whole[..., r0:r1, c0:c1] = m.weight
+        return ExpandedMatrix(whole, None, m.note)
+    row_scale = torch.ones(shape[:-1], dtype=torch.float32)
+    row_scale[..., r0:r1] = m.row_scale
+    return ExpandedMatrix(whole, row_scale, m.note)
 
 
 def quantize_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

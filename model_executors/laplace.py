@@ -84,9 +84,11 @@ class LaplaceMixer(MambaBase, nn.Module):
         self.qkvg_proj = MergedColumnParallelLinear(
             D, [H * dk, H * dk, H * dv, H * dv], bias=False, prefix=f"{prefix}.qkvg_proj"
         )
-        self.aug_balance = nn.Parameter(torch.zeros(H, dk))
+        # Held in float32 whatever the model dtype (converted once, as loaded): the recurrence and the head norm
+        # compute in float32, so no step converts them.
+        self.aug_balance = nn.Parameter(torch.zeros(H, dk, dtype=torch.float32))
         self.head_norm = nn.Module()
-        self.head_norm.weight = nn.Parameter(torch.ones(config.num_decay_tiers, dv))
+        self.head_norm.weight = nn.Parameter(torch.ones(config.num_decay_tiers, dv, dtype=torch.float32))
         self.o_proj = RowParallelLinear(H * dv, D, bias=False, prefix=f"{prefix}.o_proj")
         log_decay = geometric_log_decay(H, config.decay_t_min, config.decay_t_max)
         self.register_buffer("log_decay", log_decay, persistent=False)
@@ -201,7 +203,7 @@ class LaplaceMixer(MambaBase, nn.Module):
         """SiLU(g) * HeadRMSNorm_tier(o), fp32 [T, H * dv], the input of o_proj."""
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.head_norm_eps)
-        of = of * self.head_norm.weight.float().repeat_interleave(self.heads_per_tier, 0)
+        of = of * self.head_norm.weight.repeat_interleave(self.heads_per_tier, 0)
         return F.silu(g.float()) * of.reshape(o.shape[0], -1)
 
 

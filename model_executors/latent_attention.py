@@ -210,7 +210,10 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         self.gate_proj = ColumnParallelLinear(config.hidden_size, H * hd, bias=False, prefix=f"{prefix}.gate_proj")
         self.o_proj = RowParallelLinear(H * hd, config.hidden_size, bias=False, prefix=f"{prefix}.o_proj")
         self.q_norm = RMSNorm(hd, eps=config.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps)
+        # k_norm's weight is only read by the absorbed attention, in float32: held so (converted once, as loaded), so
+        # no step converts it. Nothing calls k_norm as a module: the keys it normalises are never materialised.
+        self.k_norm = nn.Module()
+        self.k_norm.weight = nn.Parameter(torch.ones(hd, dtype=torch.float32))
         self.latent_dtype = latent_cache_dtype(get_current_vllm_config())
         self.key_scales: torch.Tensor | None = None  # [cache rows, Hkv] fp32, beside kv_cache
         self.latent_scales: torch.Tensor | None = None  # [cache rows] fp32, beside an FP8 kv_cache
@@ -412,7 +415,7 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         `attn_mask` (a [n, L] bool mask, True = visible, or a torch attention bias): [n, H, hd] fp32. A key no query
         sees must still be finite (its product is taken before the mask applies)."""
         cf = c.float()
-        k = torch.einsum("lr,gdr->gld", cf, Wk) * s.t()[:, :, None] * self.k_norm.weight.float()  # [Hkv, L, hd]
+        k = torch.einsum("lr,gdr->gld", cf, Wk) * s.t()[:, :, None] * self.k_norm.weight  # [Hkv, L, hd]
         v = torch.einsum("lr,gdr->gld", cf, Wv)
         # 4-D with enable_gqa: no K/V repeated per q head.
         o = torch.nn.functional.scaled_dot_product_attention(

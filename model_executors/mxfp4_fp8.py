@@ -18,7 +18,11 @@ once. Under expert parallelism a rank holds whole experts, those vLLM's expert m
 
 Every one computes kernels/fp8_expert.fp8_linear (per-token FP8 activations, FP8 x FP8, fp32
 accumulation, both scales on the accumulator's output, then the bias). Everything else (attention,
-norms, embeddings, routers) is unquantized.
+norms, embeddings, routers) is unquantized. On the CPU platform each FP8 matrix also gets a compute copy at load
+(`fp8_compute`: FBGEMM's packed fp16 form, 2 bytes per weight beside the FP8 byte; docs/fp8.md), which the products
+are computed from instead of converting the weight per call; VLLM_TRN_FP8_RESIDENCY=fp8 keeps the FP8 bytes only
+(for hosts short of memory: each call then converts its matrix in bounded row chunks). Device platforms hold the
+FP8 weights only; their FP8 GEMM reads them.
 
 A matrix that cannot be exact in FP8 (a row spanning more than 13 octaves) stops the load, unless the
 user opts in with VLLM_TRN_ALLOW_BF16=1: then the loader decodes it exactly to bf16 and the parameter
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +47,22 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.linear import LinearMethodBase, RowParallelLinear
 from vllm.model_executor.utils import set_weight_attrs
+from vllm.platforms import current_platform
 
-from vllm_trn_plugin.envs import ALLOW_BF16, allow_bf16
+from vllm_trn_plugin.envs import ALLOW_BF16, allow_bf16, fp8_residency
 from vllm_trn_plugin.kernels import dispatch
-from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, TILE, in_kernel_layout, row_linear, to_kernel_layout
+from vllm_trn_plugin.kernels.fp8_expert import (
+    FP8_DTYPE,
+    TILE,
+    ExpertWeights,
+    expert_compute_copies,
+    fp8_compute_copy,
+    in_kernel_layout,
+    to_kernel_layout,
+)
 from vllm_trn_plugin.loaders.io import CheckpointFormatError
 from vllm_trn_plugin.loaders.mxfp4 import ExpandedMatrix
-from vllm_trn_plugin.loaders.packed import iter_checkpoint
+from vllm_trn_plugin.loaders.packed import Part, iter_checkpoint
 from vllm_trn_plugin.model_executors.mxfp4_fp8_config import QUANT_NAME
 
 logger = init_logger(__name__)
@@ -159,6 +173,10 @@ class Fp8RowLinearMethod(LinearMethodBase):
             )
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self._merge_bf16_parts(layer)
+        layer.fp8_compute = compute_copy(layer.weight.data)
+
+    def _merge_bf16_parts(self, layer: torch.nn.Module) -> None:
         if not self.bf16_parts:
             return
         where = getattr(layer, "prefix", None) or type(layer).__name__
@@ -173,7 +191,8 @@ class Fp8RowLinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         b = getattr(layer, "bias_correction", None)
-        y = row_linear(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, b)
+        compute = getattr(layer, "fp8_compute", None)
+        y = dispatch.fp8_linear(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, b, compute)
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).view(*x.shape[:-1], -1)
@@ -295,6 +314,9 @@ class Fp8RowMoEMethod(FusedMoEMethodBase):
             w = weight.data
             if w.dtype == FP8_DTYPE and not in_kernel_layout(w) and w.shape[1] % TILE == 0 and w.shape[2] % TILE == 0:
                 weight.data = to_kernel_layout(w)
+        layer.fp8_compute = None
+        if current_platform.is_cpu() and fp8_residency() == "copy":
+            layer.fp8_compute = expert_compute_copies(ExpertWeights(*(getattr(layer, n).data for n in _EXPERT_PARAMS)))
 
     def get_fused_moe_quant_config(self, layer: RoutedExperts) -> None:
         return None
@@ -314,14 +336,83 @@ class Fp8RowMoEMethod(FusedMoEMethodBase):
             x,
             topk_weights,
             topk_ids,
-            layer.w13_weight,
-            layer.w13_weight_scale,
-            layer.w13_bias_correction,
-            layer.w2_weight,
-            layer.w2_weight_scale,
-            layer.w2_bias_correction,
+            *(getattr(layer, n) for n in _EXPERT_PARAMS),
             layer.expert_map is None,
+            getattr(layer, "fp8_compute", None),
         )
+
+
+_EXPERT_PARAMS = (
+    "w13_weight",
+    "w13_weight_scale",
+    "w13_bias_correction",
+    "w2_weight",
+    "w2_weight_scale",
+    "w2_bias_correction",
+)
+
+
+def compute_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The CPU's compute copy of a quantized layer's matrix (fp8_expert.fp8_compute_copy), made once at load: None on
+    a device platform (its FP8 GEMM reads the FP8 weight) and under FP8-only residency (VLLM_TRN_FP8_RESIDENCY=fp8:
+    no copy, each call converts the matrix in row chunks)."""
+    if not current_platform.is_cpu() or fp8_residency() != "copy":
+        return None
+    return fp8_compute_copy(weight)
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """A rank's place under tensor parallelism, for `packed_weights`: `rank` of `size`; `experts`: routed experts are
+    split over the same ranks too (vLLM's MoE shards them so only without expert and data parallelism)."""
+
+    rank: int
+    size: int
+    experts: bool
+
+
+def tensor_parallel_part() -> RankPart | None:
+    """This process's `RankPart` from vLLM's state (None without tensor parallelism). Without a current vLLM
+    config the routed experts are kept whole: expanding all of an expert costs time, splitting it wrongly would
+    cost correctness."""
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    if size <= 1:
+        return None
+    config = get_current_vllm_config_or_none()
+    pc = config.parallel_config if config is not None else None
+    experts = pc is not None and not pc.enable_expert_parallel and pc.data_parallel_size == 1
+    return RankPart(parallel_state.get_tensor_model_parallel_rank(), size, experts)
+
+
+# The MLP matrices of both models (dense, shared experts, routed experts), the only ones stored as MXFP4
+# (loaders/packed.DEFAULT_MATRIX_PATTERN): gate/up are column-parallel (MergedColumnParallelLinear, the experts'
+# w1/w3), down is row-parallel (RowParallelLinear, the experts' w2).
+_SPLIT_MATRIX = re.compile(r".+\.mlp\.(experts\.\d+\.|shared_experts\.)?(gate_proj|up_proj|down_proj)\.weight")
+
+
+def rank_part_of(tp: RankPart) -> Callable[[str, tuple[int, ...]], Part | None]:
+    """For `iter_checkpoint`'s `part`: the rows (gate/up) or input columns (down) of an MLP matrix that rank `tp.rank`
+    keeps, the same contiguous `1/size` slice vLLM's weight loaders (and `Fp8RowMoEMethod._rank_part`) narrow to;
+    None (expand it all, let the loader narrow and check) for anything else, including a dimension that does not
+    split evenly (the loader then raises its own error, as without this)."""
+
+    def part(name: str, shape: tuple[int, ...]) -> Part | None:
+        m = _SPLIT_MATRIX.fullmatch(name)
+        if m is None or len(shape) != 2 or ((m.group(1) or "").startswith("experts") and not tp.experts):
+            return None
+        dim = 1 if m.group(2) == "down_proj" else 0
+        if shape[dim] % tp.size:
+            return None
+        n = shape[dim] // tp.size
+        span = (tp.rank * n, tp.rank * n + n)
+        return (None, span) if dim == 1 else (span, None)
+
+    return part
 
 
 def packed_weights(
@@ -330,6 +421,7 @@ def packed_weights(
     *,
     keep_bf16: bool | None = None,
     skip: Callable[[str], bool] | None = None,
+    tp: RankPart | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The packed checkpoint as the models' load_weights expect it, streamed tensor by tensor.
 
@@ -338,11 +430,25 @@ def packed_weights(
     A matrix that cannot be exact in FP8 stops the load unless `keep_bf16` (default: VLLM_TRN_ALLOW_BF16=1);
     then it comes as `<m>.weight` in bf16 (exact decode) without a scale, and the layer methods hold it in bf16.
     Tensors whose checkpoint name `skip` accepts are not read (another rank's experts).
+
+    Under tensor parallelism (`tp`, default: `tensor_parallel_part()` from vLLM's state) each MLP matrix is expanded
+    only where this rank keeps it (`rank_part_of`): it still arrives whole-size, as vLLM's weight loaders expect,
+    but only their part of it is written (see `iter_checkpoint`'s `part`), so a rank's expansion work is 1/size.
     """
     if not Path(model_dir).is_dir():
         raise ValueError(f"{QUANT_NAME}: packed checkpoints are read from a local directory, got {model_dir!r}")
     keep = allow_bf16() if keep_bf16 is None else keep_bf16
-    for name, t in iter_checkpoint(model_dir, allow_bf16=keep, skip=skip):
+    tp = tensor_parallel_part() if tp is None else tp
+    part = rank_part_of(tp) if tp is not None and tp.size > 1 else None
+    if part is not None:
+        logger.info(
+            "%s: tensor-parallel rank %d of %d expands only its part of each MLP matrix (routed experts: %s)",
+            QUANT_NAME,
+            tp.rank,
+            tp.size,
+            "split" if tp.experts else "whole",
+        )
+    for name, t in iter_checkpoint(model_dir, allow_bf16=keep, skip=skip, part=part):
         module, _, leaf = name.rpartition(".")
         if isinstance(t, ExpandedMatrix):
             yield name, t.weight

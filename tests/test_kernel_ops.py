@@ -60,6 +60,26 @@ def expert_args(g: torch.Generator, weight_dtype: torch.dtype = FP8) -> tuple:
         torch.full((E, H), 1e-3),
         torch.randn(E, H, generator=g) * 1e-3,
         True,
+        [],  # no compute copies: each expert's weights converted per call
+        [],
+    )
+
+
+def expert_args_with_copies(g: torch.Generator) -> tuple:
+    """expert_args with each expert's compute copies (fp32: FBGEMM's handles are opaque to fake tensors)."""
+    args = expert_args(g, torch.float32)
+    return (*args[:10], list(args[3].unbind(0)), list(args[6].unbind(0)))
+
+
+def linear_args(g: torch.Generator, weight_dtype: torch.dtype = FP8, copy: bool = False) -> tuple:
+    N, K, T = 48, 64, 5
+    w = (torch.randn(N, K, generator=g) * 30).to(weight_dtype)
+    return (
+        torch.randn(T, K, generator=g),
+        w,
+        torch.full((N,), 1e-3),
+        torch.randn(N, generator=g) * 1e-3,
+        w.float() if copy else None,
     )
 
 
@@ -71,8 +91,19 @@ def expert_args(g: torch.Generator, weight_dtype: torch.dtype = FP8) -> tuple:
         (torch.ops.trn.fp8_experts.default, expert_args),
         # opcheck's schema test perturbs the inputs arithmetically, which FP8 tensors do not support on CPU
         (torch.ops.trn.fp8_experts.default, lambda g: expert_args(g, torch.float32)),
+        (torch.ops.trn.fp8_experts.default, expert_args_with_copies),
+        (torch.ops.trn.fp8_linear.default, linear_args),
+        (torch.ops.trn.fp8_linear.default, lambda g: linear_args(g, torch.float32, copy=True)),
     ],
-    ids=["gla_decode_step", "latent_decode", "fp8_experts", "experts_fp32"],
+    ids=[
+        "gla_decode_step",
+        "latent_decode",
+        "fp8_experts",
+        "experts_fp32",
+        "experts_copies",
+        "fp8_linear",
+        "linear_copy",
+    ],
 )
 def test_ops_pass_torch_opcheck(op, make) -> None:  # noqa: ANN001
     """torch.library.opcheck: the schema (including the declared mutation) matches what the op does, the fake

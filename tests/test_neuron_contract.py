@@ -32,10 +32,12 @@ from tests.fakes.neuron_runner import (
     Request,
     kernel_nodes,
     opaque_ops,
+    parameter_conversions,
     runner_config,
 )
 from tests.helpers import count_calls, greedy_params, random_prompts, token_prompts, trn2_recipe_argv
 from vllm_trn_plugin.kernels.dispatch import KERNEL_OPS
+from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.neuron]  # run on vLLM 0.29 (Makefile: test-vllm029)
 
@@ -455,6 +457,42 @@ def test_trinity_kernels_enter_the_graph_as_nki_ops(
     launched = {name for name, lnc in neuron_torch_stack.launches if lnc == _kernel_lnc()}
     assert launched == {"fp8_experts_kernel", "latent_decode_kernel"}, neuron_torch_stack.launches
     print(f"\nMLA-Trinity (packed): prefill graphs {prefills}, decode graphs {decodes}; tokens equal the torch path's")
+
+
+@pytest.mark.parametrize("model", ["laplace", "mla-trinity"])
+def test_packed_step_graphs_convert_no_weight(
+    model: str,
+    laplace_ckpt: Path,
+    trinity_ckpts: tuple[Path, Path],
+    worker: None,
+    neuron_torch_stack: Any,
+    tmp_path: Path,
+) -> None:
+    """The packed models' step graphs on Neuron, in bf16 (the trn2 recipes' dtype): no graph converts a parameter or
+    buffer to another dtype (directly or through a view), so no step re-reads a weight through a cast: the FP8 dense
+    layers and LM head reach the device as FP8 GEMMs of the FP8 weight, MLA-Trinity's W_k / W_v are made from
+    kv_b_proj once at load, norms multiply in the model's dtype or a copy made at load. Traced only (every prefill
+    and decode bucket)."""
+    from vllm_trn_plugin.loaders.packed import pack
+    from vllm_trn_plugin.neuron.laplace import LaplaceNeuronModel
+    from vllm_trn_plugin.neuron.trinity_mla import TrinityMLANeuronModel
+
+    if model == "laplace":
+        cls, ckpt = LaplaceNeuronModel, pack(laplace_ckpt, tmp_path / "packed").dst
+    else:
+        cls, ckpt = TrinityMLANeuronModel, trinity_ckpts[1]
+    nc = {
+        "num_seqs_buckets": [4],
+        "num_batched_tokens_buckets": [128],
+        "decode_context_length_buckets": [256],
+        "on_device_sampling_config": None,
+    }
+    cfg = runner_config(ckpt, 512, dtype="bfloat16", max_num_batched_tokens=512)
+    runner = NeuronRunner(cls, ckpt, cfg, nc, block_size=32, num_blocks=32, compile_backend="capture")
+    assert runner.graphs and parameter_conversions(runner.graphs, runner.graph_inputs) == {}
+    fp8 = [m for m in runner.model.modules() if getattr(getattr(m, "weight", None), "dtype", None) == FP8_DTYPE]
+    assert fp8, "the packed checkpoint loaded no FP8 layer"
+    print(f"\n{model} (packed, bf16): {len(runner.graphs)} step graphs, {len(fp8)} FP8 layers, no weight converted")
 
 
 # torch's functional collectives: vLLM's TP-group all-reduce and the LM head's gather, traced

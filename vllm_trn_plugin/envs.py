@@ -7,6 +7,10 @@ import os
 ALLOW_BF16 = "VLLM_TRN_ALLOW_BF16"  # "1": a packed matrix that cannot be exact in FP8 is kept in bf16
 KERNELS = "VLLM_TRN_KERNELS"  # auto | torch | emulate | nki: who computes the kernel ops (kernels/dispatch.py)
 KERNEL_MODES = ("auto", "torch", "emulate", "nki")
+FP8_RESIDENCY = (
+    "VLLM_TRN_FP8_RESIDENCY"  # copy | fp8: what a CPU holds of each FP8 matrix (model_executors/mxfp4_fp8.py)
+)
+FP8_RESIDENCY_MODES = ("copy", "fp8")
 NO_TCMALLOC = "VLLM_TRN_NO_TCMALLOC"  # "1": `vllm-trn serve` leaves the allocator alone (no tcmalloc preload)
 
 
@@ -29,4 +33,11 @@ def kernels() -> str:
     value = os.environ.get(KERNELS, "auto")
     if value not in KERNEL_MODES:
         raise ValueError(f"{KERNELS}={value!r}: expected one of {', '.join(KERNEL_MODES)}")
+    return value
+
+
+def fp8_residency() -> str:
+    value = os.environ.get(FP8_RESIDENCY, "copy")
+    if value not in FP8_RESIDENCY_MODES:
+        raise ValueError(f"{FP8_RESIDENCY}={value!r}: expected one of {', '.join(FP8_RESIDENCY_MODES)}")
     return value

@@ -135,6 +135,7 @@ class NeuronRunner:
         self.stale_padded_rows = 0  # padded decode rows whose block-table row still names real blocks
         self.forward: Any = self.model
         self.graphs: list[Any] = []  # with compile_backend: the graphs compiled, in order
+        self.graph_inputs: list[list[str]] = []  # each graph's inputs as dynamo names them (`parameter_conversions`)
         self.warmup_seconds: dict[tuple, float] = {}  # with compile_backend: each warmed bucket's first call
         if compile_backend is not None:
             self.forward = torch.compile(
@@ -221,12 +222,16 @@ class NeuronRunner:
 
             def record_inner(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
                 self.graphs.append(gm)
+                self.graph_inputs.append([])  # a graph before AOT: no aten-level inputs to name
                 return inner(gm, example_inputs)
 
             return record_inner
 
+        names: list[str] = []
+
         def record(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
             self.graphs.append(gm)
+            self.graph_inputs.append(list(names))
             if backend == "aot_eager":
                 return make_boxed_func(gm.forward)
             (outputs,) = next(n for n in gm.graph.nodes if n.op == "output").args
@@ -237,7 +242,15 @@ class NeuronRunner:
                 ]
             )
 
-        return aot_autograd(fw_compiler=record)
+        aot = aot_autograd(fw_compiler=record)
+
+        def named(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            # dynamo's graph names its inputs after their source (a parameter's module path); the aten graph AOT
+            # hands `record` takes the same inputs in the same order under positional names
+            names[:] = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+            return aot(gm, example_inputs)
+
+        return named
 
     def warm_up(self) -> None:
         """Every bucket once, with the runner's synthetic inputs (one prefill of each token bucket; one decode of
@@ -525,4 +538,56 @@ def kernel_nodes(graphs: list[Any], declared: tuple[str, ...] = ()) -> dict[tupl
             if (name.split("::")[0] in ("aten", "prims") and not host_read) or name in declared:
                 continue
             found[(name, mutated)] = found.get((name, mutated), 0) + 1
+    return found
+
+
+# aten ops whose output is a view of (or the same values as) their first argument: a conversion of such a view is a
+# conversion of the tensor it views
+_VIEWS = {
+    "alias",
+    "as_strided",
+    "detach",
+    "expand",
+    "permute",
+    "reshape",
+    "select",
+    "slice",
+    "squeeze",
+    "t",
+    "transpose",
+    "unsqueeze",
+    "view",
+    "_unsafe_view",
+    "clone",
+    "contiguous",
+}
+_CONVERSIONS = {"prims::convert_element_type", "aten::_to_copy", "aten::to"}
+
+
+def parameter_conversions(graphs: list[Any], inputs: list[list[str]]) -> dict[str, set[str]]:
+    """Every dtype conversion each step would make of a model parameter or buffer (a graph input whose dynamo name
+    holds `_parameters_` or `_buffers_`), directly or of a view of it: the input's name -> the dtypes it is
+    converted to. What a weight needs in another dtype is made once at load, never in the step."""
+    found: dict[str, set[str]] = {}
+    for gm, names in zip(graphs, inputs, strict=True):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(names):
+            raise AssertionError(f"the aten graph has {len(placeholders)} inputs, dynamo's {len(names)}")
+        source = dict(zip(placeholders, names))
+
+        def root(node: Any) -> Any:
+            while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+                if node.target._schema.name.split("::")[-1] not in _VIEWS or not node.args:
+                    break
+                node = node.args[0]
+            return node
+
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                continue
+            if node.target._schema.name not in _CONVERSIONS:
+                continue
+            name = source.get(root(node.args[0]), "")
+            if "_parameters_" in name or "_buffers_" in name:
+                found.setdefault(name, set()).add(str(node.meta["val"].dtype))
     return found

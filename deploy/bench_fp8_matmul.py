@@ -1,0 +1,81 @@
+"""The FP8 x FP8 products of one quantized layer on this CPU, every way torch can compute them, side by side.
+
+Run (from the repository root)::
+
+    .venv/bin/python deploy/bench_fp8_matmul.py                    # a 32768 x 2048 FP8 weight, 1 and 8 tokens
+    .venv/bin/python deploy/bench_fp8_matmul.py --rows 131072 --cols 1024   # Trinity-Mini's LM head at hidden 1024
+
+Each form computes sum_k xq[t, k] * w[n, k] for FP8 activations xq [T, K] and an FP8 weight w [N, K], in fp32:
+- `per-call upcast`: w converted to fp32 on every call (what fp8_linear did before compute copies);
+- `fp8 only (chunks)`: kernels/fp8_expert.fp8_matmul without a copy (VLLM_TRN_FP8_RESIDENCY=fp8): row chunks;
+- `fp32 copy`: an fp32 copy held once (4 bytes per weight; the fallback where FBGEMM is missing);
+- `bf16 copy, bf16 out`: a bf16 copy and a bf16 GEMM: exact products, but its output is rounded to bf16 (not the
+  definition: shown for its speed only);
+- `compute copy`: kernels/fp8_expert.fp8_compute_copy (FBGEMM's packed fp16 where it runs: 2 bytes per weight,
+  fp32 activations and accumulation);
+- `_scaled_mm`: torch's FP8 GEMM (unit scales, fp32 out), the form a GPU or the Neuron graph runs.
+Reps interleave the forms; the median per form is printed with its ratio to the compute copy, and its largest
+difference from the compute copy's output relative to the output's scale (fp32 accumulation orders differ: ~1e-7;
+the bf16 output's rounding: ~1e-3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, fp8_compute_copy, fp8_matmul, scaled_mm_products
+
+
+def forms(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    w32, w16, copy = w.float(), w.to(torch.bfloat16), fp8_compute_copy(w)
+    return {
+        "per-call upcast": lambda xq: xq.float() @ w.float().t(),
+        "fp8 only (chunks)": lambda xq: fp8_matmul(xq, w),
+        "fp32 copy": lambda xq: xq.float() @ w32.t(),
+        "bf16 copy, bf16 out": lambda xq: (xq.to(torch.bfloat16) @ w16.t()).float(),
+        "compute copy": lambda xq: fp8_matmul(xq, w, copy),
+        "_scaled_mm": lambda xq: scaled_mm_products(xq, w),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=32768, help="N: output features")
+    p.add_argument("--cols", type=int, default=2048, help="K: input features")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args(argv)
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(args.rows, args.cols, generator=g) * 40).clamp(-240, 240).to(FP8_DTYPE)
+    fns = forms(w)
+    print(
+        f"FP8 weight {args.rows} x {args.cols}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"compute copy: {'FBGEMM fp16' if fp8_compute_copy(w).dtype == torch.uint8 else 'fp32'}"
+    )
+    for t in args.tokens:
+        xq = (torch.randn(t, args.cols, generator=g) * 40).clamp(-240, 240).to(FP8_DTYPE)
+        ref = fns["compute copy"](xq)
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        same = {}
+        for rep in range(args.reps + 1):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                y = fn(xq)
+                if rep:  # the first round warms up
+                    times[name].append(time.perf_counter() - t0)
+                else:  # accumulation orders differ between forms: the error relative to the output's scale
+                    same[name] = float((y - ref).abs().max() / ref.abs().max())
+        base = statistics.median(times["compute copy"])
+        print(f"\n{t} token(s): ms per call (median of {args.reps}), ratio to the copy, max |y - y_copy| / max |y|")
+        for name, ts in times.items():
+            m = statistics.median(ts)
+            print(f"  {name:<22} {m * 1e3:9.1f} ms {m / base:8.2f}x   {same[name]:.1e}")
+
+
+if __name__ == "__main__":
+    main()
