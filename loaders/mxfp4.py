@@ -133,16 +133,6 @@ def _check_nan_scales(scales2: torch.Tensor, lead: tuple[int, ...], file: str, t
         )
 
 
-def _block_stats(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block: holds a nonzero element (sign bit ignored); per row: e_max over those blocks."""
-    mags = (codes & 0x77).view(codes.shape[0], -1, BLOCK_SIZE // 2)
-    nonzero = mags.amax(-1) > 0
-    e = scales.to(torch.int16)
-    e_max = torch.where(nonzero, e, -1).amax(-1)
-    e_max = torch.where(e_max < 0, _ZERO_ROW_EMAX, e_max)
-    return nonzero, e_max
-
-
 _PAIR_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
