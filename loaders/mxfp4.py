@@ -21,7 +21,6 @@ exponents, so the rule is the documented one).
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import sys
@@ -30,7 +29,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
-import numpy as np
 import torch
 
 from vllm_trn_plugin.loaders.io import CheckpointFormatError
@@ -69,9 +67,10 @@ _E_MIN, _E_MAX = -E8M0_BIAS, E8M0_BIAS  # block exponents of scale bytes 0..254
 _ZERO_BLOCK = -1000  # `rtn_exponents`' mark of an all-zero block, until `limit_spread` gives it its row's exponent
 _ZERO_ROW_EMAX = E8M0_BIAS + ROW_HEADROOM  # an all-zero row gets s_row = 1
 _ROWS_PER_CHUNK_ELEMS = 1 << 22  # rows per chunk x in: bounds the temporaries to ~100 MB
-# Expansion chunks: the unit the threads share out (capped by _ROWS_PER_CHUNK_ELEMS); Python's part of a chunk
-# (tens of microseconds, under the GIL) must stay small next to the compiled loop's.
-_EXPAND_CHUNK_ELEMS = 1 << 22
+# Expansion chunks: small enough that a chunk's index words (4 bytes per 4 elements, 1 MB) stay in cache between
+# the passes over them, large enough that the ~15 torch ops per chunk cost little next to the work (measured on
+# 2 cores: 2^20 beat 2^18, 2^19 and 2^21).
+_EXPAND_CHUNK_ELEMS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -133,22 +132,26 @@ def _check_nan_scales(scales2: torch.Tensor, lead: tuple[int, ...], file: str, t
         )
 
 
-@functools.cache
-def _pair_table() -> np.ndarray:
-    """uint16 [(MAX_ROW_SPREAD + 1) * 256]: entry d * 256 + b holds the FP8 bytes of byte b's two E2M1 codes at
+_PAIR_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _pair_table(device: torch.device) -> torch.Tensor:
+    """int16 [(MAX_ROW_SPREAD + 1) * 256]: entry d * 256 + b holds the FP8 bytes of byte b's two E2M1 codes at
     shift d, c * 2^(5 - d): the low code's byte first in memory (little-endian), as the elements are ordered."""
-    if sys.byteorder != "little":
-        raise RuntimeError("the MXFP4 -> FP8 pair table assumes a little-endian host")
-    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float64)
-    d = torch.arange(MAX_ROW_SPREAD + 1, dtype=torch.float64)
-    vals = lut[None, :] * torch.exp2(ROW_HEADROOM - d)[:, None]  # [d, code]
-    fp8 = vals.to(torch.float8_e4m3fn)
-    if not torch.equal(fp8.to(torch.float64), vals):  # every value on the grid: the 13-octave rule
-        raise RuntimeError("MXFP4 -> FP8 table is not exact")
-    b = fp8.view(torch.uint8).to(torch.int32)  # [d, code]
-    byte = torch.arange(256)
-    pair = b[:, byte & 15] | (b[:, byte >> 4] << 8)  # [d, 256]
-    return pair.reshape(-1).numpy().astype(np.uint16)
+    if device not in _PAIR_TABLES:
+        if sys.byteorder != "little":
+            raise RuntimeError("the MXFP4 -> FP8 pair table assumes a little-endian host")
+        lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float64)
+        d = torch.arange(MAX_ROW_SPREAD + 1, dtype=torch.float64)
+        vals = lut[None, :] * torch.exp2(ROW_HEADROOM - d)[:, None]  # [d, code]
+        fp8 = vals.to(torch.float8_e4m3fn)
+        if not torch.equal(fp8.to(torch.float64), vals):  # every value on the grid: the 13-octave rule
+            raise RuntimeError("MXFP4 -> FP8 table is not exact")
+        b = fp8.view(torch.uint8).to(torch.int32)  # [d, code]
+        byte = torch.arange(256)
+        pair = b[:, byte & 15] | (b[:, byte >> 4] << 8)  # [d, 256]
+        _PAIR_TABLES[device] = pair.to(torch.int16).reshape(-1).to(device)  # wraps to int16 bit patterns
+    return _PAIR_TABLES[device]
 
 
 def _unpack_values(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -191,7 +194,24 @@ def decode_mxfp4(packed: torch.Tensor, scales: torch.Tensor, *, file: str = "?",
     return out.view(*lead, n_in)
 
 
+_QUAD_TABLES: dict[torch.device, torch.Tensor] = {}
+_QUAD_OFFSET = 1 << 15  # a pair of code bytes read as int16 w sits at entry w + 2^15 of its shift's 2^16 entries
 _NONZERO_MASK = 0x7777777777777777  # the magnitude bits of the 16 codes in 8 bytes (sign bits ignored)
+_TWO_LANES = (1 << 32) + 1  # x * _TWO_LANES: an int64 holding x in both int32 halves (0 <= x < 2^31), either byte order
+
+
+def _quad_table(device: torch.device) -> torch.Tensor:
+    """int32 [(MAX_ROW_SPREAD + 1) * 65536]: entry d * 65536 + w + 32768, for w two consecutive code bytes read as one
+    little-endian int16, holds the FP8 bytes of their four E2M1 codes at shift d, in element order.
+
+    One lookup yields four output bytes (the pair table's two): half the lookups and half the index bytes, which is
+    what the expansion's time goes to. 3.7 MB, built once from `_pair_table`, so both agree bit for bit."""
+    if device not in _QUAD_TABLES:
+        pair = (_pair_table(torch.device("cpu")).to(torch.int64) & 0xFFFF).view(MAX_ROW_SPREAD + 1, 256)
+        u = (torch.arange(1 << 16) - _QUAD_OFFSET) & 0xFFFF  # the two bytes (first one low) that entry k stands for
+        quad = pair[:, u & 0xFF] | (pair[:, u >> 8] << 16)  # [d, k]: the first byte's two elements first in memory
+        _QUAD_TABLES[device] = quad.to(torch.int32).reshape(-1).to(device)  # wraps to int32 bit patterns
+    return _QUAD_TABLES[device]
 
 
 def _words(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -222,63 +242,80 @@ class _Spread:
     shift: int
 
 
-def _chunk(codes: torch.Tensor, sc: torch.Tensor, kb0: int, kb1: int, out: torch.Tensor) -> torch.Tensor | _Spread:
+def _chunk(
+    codes: torch.Tensor, sc: torch.Tensor, kb0: int, kb1: int, out: torch.Tensor, work: list[torch.Tensor]
+) -> torch.Tensor | _Spread:
     """Expand one chunk of whole rows, keeping blocks kb0..kb1: `codes` uint8 [n, in/2] and `sc` uint8 [n, blocks] are
     the full rows (the row maximum e_max is over every block of the row, kept or not), `out` float8 [n, kept
     elements] (any row stride). Returns e_max per row (int16 [n]) or the first row over the spread limit."""
-    from vllm_trn_plugin.loaders.expand_kernel import expand_block_rows
-
-    n = sc.shape[0]
-    e_max = torch.empty(n, dtype=torch.int16)
-    try:
-        out16 = out.view(torch.int16)
-    except RuntimeError:  # an `out` no 16-bit view can cover (odd storage offset): expand aside, then copy
-        out16 = torch.empty(n, (kb1 - kb0) * 16, dtype=torch.int16)
-    bad = expand_block_rows(
-        codes.numpy(),
-        _words(codes, torch.int64).numpy(),
-        sc.numpy(),
-        kb0,
-        kb1,
-        _pair_table(),
-        MAX_ROW_SPREAD,
-        _ZERO_ROW_EMAX,
-        out16.numpy().view(np.uint16),
-        e_max.numpy(),
-    )
-    if bad >= 0:  # rare: name the block
-        row = _words(codes[bad], torch.int64).view(-1, 2)
-        nonzero = torch.bitwise_or(row[:, 0], row[:, 1]).bitwise_and_(_NONZERO_MASK) != 0
-        e = sc[bad].to(torch.int16)
-        e_nz = e[nonzero]
-        shift = e_nz.max() - e
-        block = int((nonzero & (shift > MAX_ROW_SPREAD)).nonzero()[0])
-        return _Spread(bad, block, int(e_nz.max() - e_nz.min()), int(shift[block]))
-    if out16.data_ptr() != out.data_ptr():
-        out.view(torch.uint8).copy_(out16.view(torch.uint8))
+    n, nb = sc.shape
+    # Nonzero blocks from 8-byte words: 16 bytes = two words per block, sign bits masked off.
+    words = _words(codes, torch.int64).view(n, nb, 2)
+    nonzero = torch.bitwise_or(words[..., 0], words[..., 1]).bitwise_and_(_NONZERO_MASK) != 0
+    e = sc.to(torch.int16)
+    top = torch.where(nonzero, e, -1).amax(-1)  # -1: no nonzero block
+    if bool((top - torch.where(nonzero, e, _E8M0_NAN).amin(-1) > MAX_ROW_SPREAD).any()):  # rare: find the block
+        shift = top.unsqueeze(-1) - e
+        row, block = (int(i) for i in (nonzero & (shift > MAX_ROW_SPREAD)).nonzero()[0])
+        e_nz = e[row][nonzero[row]]
+        return _Spread(row, block, int(e_nz.max() - e_nz.min()), int(shift[row, block]))
+    e_max = torch.where(top < 0, _ZERO_ROW_EMAX, top)
+    kb = kb1 - kb0
+    if n == 0 or kb == 0:
+        return e_max
+    # Index d * 2^16 + w + 2^15 per int16 word w (4 codes), d = e_max - e the block's shift: the per-block part is
+    # written once per block as 8-byte words holding it twice (a broadcast over 4 lanes, where one over the 8 int32
+    # lanes runs 8-element inner loops), then added in one contiguous int32 pass. Zero codes map to +-0 at any
+    # shift, so zero blocks may take any clamped shift; nonzero ones are within 0..13 (checked above).
+    base = (e_max.to(torch.int64).unsqueeze(-1) - sc[:, kb0:kb1]).clamp_(0, MAX_ROW_SPREAD)
+    base.mul_((1 << 16) * _TWO_LANES).add_(_QUAD_OFFSET * _TWO_LANES)
+    idx, lanes = work[0][: n * kb * 8].view(n, kb, 8), work[1][: n * kb * 8]
+    lanes.view(torch.int64).view(n, kb, 4).copy_(base.unsqueeze(-1).expand(n, kb, 4))
+    idx.copy_(_words(codes[:, kb0 * 16 : kb1 * 16], torch.int16).view(n, kb, 8))
+    idx.view(-1).add_(lanes)
+    out32 = out.view(torch.int32)
+    if out32.is_contiguous():
+        torch.index_select(_quad_table(codes.device), 0, idx.view(-1), out=out32.view(-1))
+    else:  # a column part inside a wider matrix: expand in cache, then one strided copy
+        tmp = work[2][: n * kb * 8]
+        torch.index_select(_quad_table(codes.device), 0, idx.view(-1), out=tmp)
+        out32.copy_(tmp.view(n, kb * 8))
     return e_max
 
 
-def _parallel_chunks(tasks: list[Callable[[], object]]) -> list[object]:
-    """Run the chunk tasks on as many threads as torch's intra-op pool has (torch.get_num_threads()): the compiled
-    loop releases the GIL, so the threads run side by side. Results in task order.
+def _parallel_chunks(tasks: list[Callable[[list[torch.Tensor]], object]], words: int) -> list[object]:
+    """Run the chunk tasks on every intra-op thread the caller has (torch.get_num_threads()), each task's torch ops
+    single-threaded: torch releases the GIL inside its ops, so the threads run side by side, and whole chunks per
+    thread need no synchronisation per op (at two threads, one op's parallel region per op costs more than it
+    saves on chunk-sized tensors). `words`: the int32 scratch each thread needs. Results in task order.
 
-    A new thread inherits its creator's CPU affinity: where the calling thread is pinned to fewer cores than that
-    (vLLM's CPU workers pin each OpenMP thread, the calling one included, to one core), threads of ours would share
-    its core, so the chunks run in turn."""
+    A new thread inherits its creator's CPU affinity: where the calling thread is pinned to fewer cores than it has
+    intra-op threads (vLLM's CPU workers pin each OpenMP thread, the calling one included, to one core), threads of
+    ours would share its core, so the chunks run in turn, each op spread over torch's own (pinned) threads."""
     threads = min(torch.get_num_threads(), len(tasks))
     if hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) < threads:
         threads = 1
+
+    def scratch() -> list[torch.Tensor]:
+        return [torch.empty(words, dtype=torch.int32) for _ in range(3)]
+
     if threads <= 1:
-        return [task() for task in tasks]
+        work = scratch()
+        return [task(work) for task in tasks]
     results: list[object] = [None] * len(tasks)
 
     def worker(k: int) -> None:
+        torch.set_num_threads(1)  # this thread's OpenMP team only
+        work = scratch()
         for i in range(k, len(tasks), threads):
-            results[i] = tasks[i]()
+            results[i] = tasks[i](work)
 
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(worker, range(threads)))
+    saved = torch.get_num_threads()
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(worker, range(threads)))
+    finally:
+        torch.set_num_threads(saved)  # set_num_threads also records the count process-wide: put the caller's back
     return results
 
 
@@ -317,8 +354,8 @@ def expand_rows(
     shape to write into (a view of a larger one, e.g. the full-size tensor vLLM's weight loaders narrow, is fine;
     merged leading dims must be viewable as one); ignored when the result is bf16.
 
-    The expansion runs in row chunks on as many threads as torch's intra-op pool has (`_parallel_chunks`), each
-    chunk in one compiled loop (`loaders/expand_kernel.py`), one table lookup per code byte (`_pair_table`).
+    The expansion runs in row chunks on every thread of torch's intra-op pool (`_parallel_chunks`), one 4-code
+    table lookup per two code bytes (`_quad_table`).
     """
     lead, codes2, scales2 = _rows(packed, scales, file, tensor)
     n_out, nb = packed.shape[-2], scales2.shape[1]
@@ -346,7 +383,7 @@ def expand_rows(
     step = max(1, min(_ROWS_PER_CHUNK_ELEMS, _EXPAND_CHUNK_ELEMS) // n_in)
     spans = [(m, s, min(r1, s + step)) for m in range(n_mats) for s in range(r0, r1, step)]
     tasks = [partial(_chunk, codes3[m, s:e], scales3[m, s:e], kb0, kb1, out3[m, s - r0 : e - r0]) for m, s, e in spans]
-    results = _parallel_chunks(tasks)
+    results = _parallel_chunks(tasks, step * (kb1 - kb0) * 8)
     row_exp = torch.empty(n_mats, n_rows, dtype=torch.int16, device=packed.device)
     for (m, s, e), res in zip(spans, results):
         if isinstance(res, _Spread):
