@@ -12,6 +12,7 @@ import json
 import math
 import shutil
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -157,6 +158,16 @@ def test_judge_names_metric_value_threshold_and_bucket() -> None:
     ]
     ok = {**s, "agreement": 0.995, "nll_diff": 0.004, "cosine_mean": 0.9995, "kl_mean": 0.001}
     assert judge(ok, Thresholds(), full=True) == []
+
+
+def test_judge_fails_every_nan_metric() -> None:
+    """A NaN compares False with anything: each metric that is NaN must fail, not pass by default."""
+    s = {"bucket": "0-2k", "positions": 10, "compared": 10, "agreement": 1.0, "nll_diff": 0.0, "cosine_mean": 1.0}
+    s["kl_mean"] = 0.0
+    assert judge(s, Thresholds(), full=True) == []
+    for key in ("agreement", "nll_diff", "cosine_mean", "kl_mean"):
+        fails = judge({**s, key: math.nan}, Thresholds(), full=True)
+        assert len(fails) == 1 and "nan" in fails[0], (key, fails)
 
 
 def test_plan_buckets() -> None:
@@ -330,6 +341,39 @@ def test_broken_candidate_fails_naming_the_metric(models: dict[str, Path], tmp_p
     assert all(f"bucket {b}" in f for b, f in zip(["0-128", "128-512", "all"], prefill))
     o = rep["overall"]
     assert o["cosine_mean"] < 1 - 1e-5 and o["kl_mean"] > 1e-4
+
+
+class _NaNLogitsEvery400(TransformersSource):
+    """transformers on the exact conversion, with NaN logits at every position whose context length is a multiple of
+    400 (1 in 400): what a kernel writing an uninitialised or overflowed row looks like."""
+
+    def __init__(self, label: str, path: str) -> None:
+        super().__init__(label, path)
+        self.poisoned: list[int] = []
+
+    def score(self, tokens: list[int], top_k: int, chunk: int) -> Iterator[Scores]:
+        for s in super().score(tokens, top_k, chunk):
+            logits = s.logits.copy()
+            rows = np.nonzero(s.positions % 400 == 0)[0]
+            logits[rows] = np.nan
+            self.poisoned += [int(p) for p in s.positions[rows]]
+            yield scores_from_logits(s.positions, np.asarray(tokens)[s.positions], logits, top_k)
+
+
+def test_nan_logits_fail_naming_the_positions(models: dict[str, Path]) -> None:
+    """NaN logits at 1 in 400 positions fail the gate, naming window and position of each, while every other metric
+    stays measured over the finite positions (no NaN spreads into the sums)."""
+    ref = TransformersSource("reference", str(models["orig"]))
+    cand = _NaNLogitsEvery400("candidate", str(models["mla"]))
+    opts = GateOptions(text=str(models["text"]), buckets=[0, 128, 512], passkey=False, decode_prompts=0, progress=False)
+    rep = run_gate(ref, cand, opts)
+    print("\nNaN logits:", *rep["failures"], sep="\n  ")
+    o = rep["overall"]
+    assert cand.poisoned and rep["verdict"] == "fail", rep["failures"]
+    assert o["nonfinite"] == len(cand.poisoned)
+    assert [f.split(" at ")[0] for f in rep["failures"]] == ["non-finite logits, log-probabilities or metrics"] * 2
+    assert "(bucket 128-512): window 1 position 400" in rep["failures"][0] and "(bucket all)" in rep["failures"][1]
+    assert o["agreement"] == 1.0 and abs(o["nll_diff"]) < 1e-5 and o["cosine_mean"] > 1 - 1e-9
 
 
 class _KeyScaleDroppedInDecode(TransformersSource):

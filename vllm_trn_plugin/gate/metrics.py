@@ -14,6 +14,9 @@ token and its top-k (ids and log-probabilities, best first), and, for a local si
   distributions renormalised on that support.
 - NLL: mean -log p(t[p]) per bucket for each side, their difference (candidate - reference) with its standard error,
   and perplexity exp(mean NLL).
+- Non-finite: a position where either side's logits or log-probabilities hold a NaN or +inf, its actual token has
+  no finite log-probability, or (full logits) the cosine or KL comes out non-finite. Such a position is left out of
+  every sum above (so they stay readable) and counted apart with where it was: any count fails the gate.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from vllm_trn_plugin.bench.ties import TIE_MARGIN
 from vllm_trn_plugin.gate.errors import GateError
 
 DEFAULT_BUCKETS = (0, 2048, 8192, 32768)  # context-length bucket edges, as the source document scores long context
+NONFINITE_NAMED = 8  # non-finite positions named per bucket (all are counted)
 
 
 @dataclass
@@ -145,14 +149,17 @@ class BucketStats:
     kl_sum: float = 0.0
     kl_max: float = 0.0
     support_sum: int = 0
+    nonfinite: int = 0  # positions with a non-finite logit, log-probability or metric (left out of the sums)
+    nonfinite_at: list[str] = field(default_factory=list)  # the first NONFINITE_NAMED of them
 
     def add(self, other: BucketStats) -> None:
         for name in ("n", "nll_ref", "nll_cand", "diff_sq", "compared", "agree", "ties", "tie_agree"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("cos_sum", "cos_n", "kl_sum", "support_sum"):
+        for name in ("cos_sum", "cos_n", "kl_sum", "support_sum", "nonfinite"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.cos_min = min(self.cos_min, other.cos_min)
         self.kl_max = max(self.kl_max, other.kl_max)
+        self.nonfinite_at = (self.nonfinite_at + other.nonfinite_at)[:NONFINITE_NAMED]
 
     def summary(self) -> dict[str, Any]:
         n = max(self.n, 1)
@@ -179,6 +186,8 @@ class BucketStats:
             "kl_mean": self.kl_sum / self.cos_n if self.cos_n else None,
             "kl_max": self.kl_max if self.cos_n else None,
             "support_mean": self.support_sum / self.cos_n if self.cos_n else None,
+            "nonfinite": self.nonfinite,
+            "nonfinite_at": list(self.nonfinite_at),
         }
 
 
@@ -197,7 +206,8 @@ class Accumulator:
             raise GateError(f"--buckets {','.join(map(str, e))}: need at least two increasing edges >= 0")
         self.buckets = [BucketStats(bucket_label(a, b), a, b) for a, b in zip(e, e[1:])]
 
-    def add(self, ref: Scores, cand: Scores) -> None:
+    def add(self, ref: Scores, cand: Scores, where: str = "") -> None:
+        """Accumulate one paired chunk; `where` names its window (e.g. "window 3") in the non-finite positions."""
         if not np.array_equal(ref.positions, cand.positions):
             raise GateError("internal: the two sides scored different positions")
         if self.full and (ref.logits is None or cand.logits is None):
@@ -211,9 +221,17 @@ class Accumulator:
         else:
             cos, kl, support = topk_agreement(ref, cand)
         nll_r, nll_c = -ref.target, -cand.target
+        bad = ~(np.isfinite(nll_r) & np.isfinite(nll_c)) | _nonfinite_rows(ref) | _nonfinite_rows(cand)
+        if self.full:
+            bad |= ~(np.isfinite(cos) & np.isfinite(kl))
         which = np.searchsorted(np.asarray(self.edges), ref.positions, side="right") - 1
         for i, b in enumerate(self.buckets):
-            m = which == i
+            nf = (which == i) & bad
+            if nf.any():
+                b.nonfinite += int(nf.sum())
+                room = NONFINITE_NAMED - len(b.nonfinite_at)
+                b.nonfinite_at += [f"{where + ' ' if where else ''}position {int(p)}" for p in ref.positions[nf][:room]]
+            m = (which == i) & ~bad
             if not m.any():
                 continue
             b.n += int(m.sum())
@@ -238,6 +256,14 @@ class Accumulator:
         for b in self.buckets:
             t.add(b)
         return t
+
+
+def _nonfinite_rows(s: Scores) -> np.ndarray:
+    """Rows holding a NaN anywhere or a +inf among the logits or top-k log-probabilities (-inf pads top-k rows)."""
+    bad = np.isnan(s.top_lp).any(1) | (s.top_lp == np.inf).any(1)
+    if s.logits is not None:
+        bad |= ~np.isfinite(s.logits).all(1)
+    return bad
 
 
 def paired(ref: Iterator[Scores], cand: Iterator[Scores]) -> Iterator[tuple[Scores, Scores]]:
@@ -271,24 +297,33 @@ class Thresholds:
 
 
 def judge(summary: dict[str, Any], th: Thresholds, full: bool) -> list[str]:
-    """The failed checks of one bucket's summary, each naming the metric, its value, the threshold and the bucket."""
+    """The failed checks of one bucket's summary, each naming the metric, its value, the threshold and the bucket.
+    Every comparison is written so that a NaN fails it."""
     where = f"bucket {summary['bucket']}"
-    if summary["positions"] == 0:
-        return []
     out = []
+    nonfinite = summary.get("nonfinite", 0)
+    if nonfinite:
+        named = summary.get("nonfinite_at", [])
+        more = f" and {nonfinite - len(named)} more" if nonfinite > len(named) else ""
+        out.append(
+            f"non-finite logits, log-probabilities or metrics at {nonfinite} position(s) ({where}): "
+            f"{', '.join(named)}{more}"
+        )
+    if summary["positions"] == 0:
+        return out
     agreement = summary["agreement"]
-    if agreement is not None and agreement < th.min_agreement:
+    if agreement is not None and not agreement >= th.min_agreement:
         out.append(
             f"next-token agreement {agreement:.4f} < {th.min_agreement} ({where}, {summary['compared']} positions "
             "outside near-ties)"
         )
-    if abs(summary["nll_diff"]) > th.max_nll_diff:
+    if not abs(summary["nll_diff"]) <= th.max_nll_diff:
         out.append(f"NLL difference {summary['nll_diff']:+.4f} nats exceeds +-{th.max_nll_diff} ({where})")
     min_cos, what = (th.min_cosine, "full-logit") if full else (th.min_topk_cosine, "top-k logit")
     cos = summary["cosine_mean"]
-    if cos is not None and cos < min_cos:
+    if cos is not None and not cos >= min_cos:
         out.append(f"{what} cosine {cos:.5f} < {min_cos} ({where})")
     kl = summary["kl_mean"]
-    if kl is not None and kl > th.max_kl:
+    if kl is not None and not kl <= th.max_kl:
         out.append(f"{'full' if full else 'top-k support'} KL {kl:.4g} nats > {th.max_kl} ({where})")
     return out

@@ -131,7 +131,7 @@ def run_gate(ref: Source, cand: Source, opts: GateOptions) -> dict[str, Any]:
             check_vocab(toks, side.vocab_size, side.label, offset)
         tw = time.perf_counter()
         for a, b in _window_pairs(ref, cand, toks, opts):
-            acc.add(a, b)
+            acc.add(a, b, f"window {w + 1}")
         offset += len(toks)
         _log(opts, f"window {w + 1}/{len(lengths)} ({len(toks)} tokens) scored in {time.perf_counter() - tw:.1f} s")
     t_score = time.perf_counter() - t0
@@ -218,7 +218,7 @@ def decode_check(ref: Source, cand: Source, text: TokenInput, window: int, opts:
         raise GateError(f"{text.path}: {text.total} tokens, fewer than one --decode-context ({ctx}) prompt")
     full = ref.full and cand.full
     acc = Accumulator([0, ctx + gen], opts.tie_margin, full)
-    for p in prompts:
+    for i, p in enumerate(prompts):
         tokens, got = cand.decode_scored(p, gen, opts.top_k)
         if len(tokens) != gen:
             raise GateError(f"candidate: {len(tokens)} tokens generated, {gen} asked for")
@@ -227,7 +227,7 @@ def decode_check(ref: Source, cand: Source, text: TokenInput, window: int, opts:
             for c in ref.score(p + tokens, opts.top_k, opts.chunk)
         )
         for a, b in paired(want, iter([got])):
-            acc.add(a, b)
+            acc.add(a, b, f"continuation {i + 1}")
     _log(opts, f"decode: {len(prompts)} continuations of {gen} tokens after {ctx}")
     summary = acc.buckets[0].summary()
     summary["bucket"] = "decode"
