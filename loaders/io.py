@@ -55,6 +55,9 @@ class TensorEntry:
     begin: int
 
 
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own cap on a header's length
+
+
 def scan_file(path: Path) -> dict[str, TensorEntry]:
     """A safetensors file's header, checked against the file size so that truncation names the first cut tensor.
 
@@ -63,6 +66,10 @@ def scan_file(path: Path) -> dict[str, TensorEntry]:
     with open(path, "rb") as f:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n > MAX_HEADER_BYTES:  # read nothing of a length no writer produces (safetensors refuses it too)
+            raise CheckpointFormatError(
+                f"{path}: safetensors header length {n} bytes exceeds the format's limit of {MAX_HEADER_BYTES}"
+            )
         if n < 2 or 8 + n > size:
             raise CheckpointFormatError(
                 f"{path}: not a complete safetensors file (header cut off; file is {size} bytes)"

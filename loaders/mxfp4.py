@@ -319,6 +319,35 @@ def _parallel_chunks(tasks: list[Callable[[list[torch.Tensor]], object]], words:
     return results
 
 
+_OVERFLOW_EMAX = 253  # rows with e_max >= 253 can hold values >= 2^128: 4 x 2^126 and up (float32's and bf16's inf)
+
+
+def _check_overflow(
+    out3: torch.Tensor,
+    row_exp: torch.Tensor,
+    lead: tuple[int, ...],
+    n_out: int,
+    r0: int,
+    kb0: int,
+    file: str,
+    tensor: str,
+) -> None:
+    """Refuse a row holding a value w_fp8 * s_row >= 2^128, which float32 (the row scale's product) and bf16 cannot
+    hold, as `decode_mxfp4` does: only rows with e_max >= 253 can (scale bytes 253/254 with large codes), so only
+    those are read back. |w_fp8| >= 2^(260 - e_max) is exactly such a value (s_row = 2^(e_max - 132))."""
+    hot = (row_exp >= _OVERFLOW_EMAX).nonzero()
+    for m, r in (tuple(int(i) for i in x) for x in hot):
+        e = int(row_exp[m, r])
+        over = (out3[m, r].to(torch.float32).abs() >= 2.0 ** (260 - e)).nonzero()
+        if len(over):
+            col = int(over[0])
+            raise CheckpointFormatError(
+                f"{file}: tensor {tensor}: {_row_label(m * n_out + r0 + r, lead)}, block {kb0 + col // BLOCK_SIZE}: "
+                f"value {float(out3[m, r, col].to(torch.float64)) * 2.0 ** (e - 132):.4g} overflows float32 and "
+                f"bfloat16 (the row's largest block scale byte is {e})"
+            )
+
+
 def expand_rows(
     packed: torch.Tensor,
     scales: torch.Tensor,
@@ -404,6 +433,7 @@ def expand_rows(
                 f"{file}: tensor {tensor}: loaded as bfloat16 (exact), not FP8: {reason}",
             )
         row_exp[m, s - r0 : e - r0] = res
+    _check_overflow(out3, row_exp, lead, n_out, r0, kb0, file, tensor)
     row_scale = torch.exp2(row_exp.to(torch.float64) - (E8M0_BIAS + ROW_HEADROOM)).to(torch.float32)
     return ExpandedMatrix(out, row_scale.view(part_lead))
 

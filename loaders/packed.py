@@ -240,6 +240,8 @@ def iter_checkpoint(
             f"while {len(codes) - len(unbiased)} other MXFP4 matrices have one"
         )
 
+    biases = {out.removesuffix(".weight") + ".bias" for out in codes}  # the bias-correction vectors
+
     with TensorReader() as reader:
 
         def get(name: str) -> torch.Tensor:
@@ -250,7 +252,10 @@ def iter_checkpoint(
             if skip is not None and skip(name if role is None else role[1]):
                 continue
             if role is None:
-                yield name, get(name)
+                t = get(name)
+                if name in biases:
+                    _check_finite_bias(t, entry.file, name)
+                yield name, t
                 continue
             kind, out, partner = role
             if kind == "scale":
@@ -269,6 +274,15 @@ def iter_checkpoint(
             yield out, m
             if kind == "mxfp4" and zero_bias:
                 yield out.removesuffix(".weight") + ".bias", torch.zeros(m.weight.shape[:-1], dtype=_BIAS_DTYPE)
+
+
+def _check_finite_bias(t: torch.Tensor, file: Path, name: str) -> None:
+    """A bias-correction vector is added to every output of its matrix: a NaN or inf in it is a broken checkpoint."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        row = int((~torch.isfinite(t)).reshape(-1).nonzero()[0])
+        raise CheckpointFormatError(
+            f"{file}: tensor {name}: row {row}: bias-correction value {float(t.reshape(-1)[row])} is not finite"
+        )
 
 
 def _expand_part(

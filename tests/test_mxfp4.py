@@ -236,6 +236,56 @@ def test_decode_overflow_is_an_error() -> None:
         decode_mxfp4(pack_codes(np.full((1, 32), 7)), torch.tensor([[254]], dtype=torch.uint8), file="f", tensor="t")
 
 
+@pytest.mark.parametrize("allow_bf16", [False, True])
+def test_expand_overflow_is_an_error_like_decode(allow_bf16: bool) -> None:
+    """Scale bytes 253/254 with large codes: values >= 2^128, inf in float32 once the row scale multiplies them (and
+    in bf16), so expansion refuses them as decode_mxfp4 does, naming file, tensor, row and block; the largest values
+    that fit (1.5 x 2^127) expand exactly."""
+    codes = np.ones((3, 64), dtype=np.int64)  # 0.5 everywhere
+    scales = np.array([[127, 127], [250, 253], [250, 254]], dtype=np.uint8)
+    codes[1, 40] = 5  # 3 x 2^126: fits
+    codes[2, 33] = 3  # 1.5 x 2^127: fits
+    p, s = pack_codes(codes), torch.from_numpy(scales)
+    m = expand_rows(p, s, file="f.st", tensor="w", allow_bf16=allow_bf16)
+    assert m.is_fp8
+    w = m.weight.to(torch.float64) * m.row_scale.to(torch.float64)[:, None]
+    assert torch.isfinite(w).all() and torch.equal(w, torch.from_numpy(ref_decode(p, s)))
+    for row, code in ((1, 6), (2, 4)):  # 4 x 2^126 = 2 x 2^127 = 2^128
+        bad = codes.copy()
+        bad[row, 45] = code
+        with pytest.raises(
+            CheckpointFormatError, match=rf"f\.st: tensor w: row {row}, block 1: value 3\.403e\+38 overflows"
+        ):
+            expand_rows(pack_codes(bad), s, file="f.st", tensor="w", allow_bf16=allow_bf16)
+        with pytest.raises(CheckpointFormatError, match="overflows"):
+            decode_mxfp4(pack_codes(bad), s, file="f.st", tensor="w")
+
+
+def test_nan_bias_correction_vector_refused(tmp_path: Path) -> None:
+    """A bias-correction vector is added to every output of its matrix: a NaN in one is a broken checkpoint, refused
+    at load naming file, tensor and row (it used to load and turn every output of that matrix NaN)."""
+    write_src(tmp_path / "src")
+    pack(tmp_path / "src", tmp_path / "dst")
+    name = "model.layers.0.mlp.down_proj.bias"
+    f = next(f for f in sorted((tmp_path / "dst").glob("*.safetensors")) if name in load_file(str(f)))
+    t = load_file(str(f))
+    t[name][5] = float("nan")
+    save_file(t, str(f))
+    with pytest.raises(CheckpointFormatError, match=rf"{re.escape(str(f))}: tensor {re.escape(name)}: row 5: .*nan"):
+        list(iter_checkpoint(tmp_path / "dst"))
+
+
+def test_header_length_capped_before_reading(tmp_path: Path) -> None:
+    """A header length no writer produces (160 MB) is refused from the 8 bytes that claim it, as safetensors does,
+    instead of being read into memory first."""
+    f = tmp_path / "model.safetensors"
+    with open(f, "wb") as h:  # a sparse file that holds the claimed header: the old reader read all of it
+        h.write((160_000_000).to_bytes(8, "little"))
+        h.truncate(8 + 160_000_000 + 16)
+    with pytest.raises(CheckpointFormatError, match=rf"{re.escape(str(f))}: safetensors header length 160000000"):
+        list(iter_checkpoint(tmp_path))
+
+
 # ---------------------------------------------------------------- RTN
 
 
