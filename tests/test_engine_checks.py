@@ -231,3 +231,18 @@ def test_parallel_layouts_a_model_lacks_refused_at_start(
     packed = pack(trinity_ckpt, tmp_path / "packed").dst
     cfg = _config(packed, **ep)
     assert cfg.parallel_config.enable_expert_parallel and cfg.model_config.quantization == "trn-mxfp4-fp8"
+
+
+def test_mla_query_heads_not_a_multiple_of_kv_heads_refused_at_start(trinity_ckpt: Path, tmp_path: Path) -> None:
+    """An MLA-Trinity config.json whose query heads do not split evenly over its KV heads is refused when the engine
+    config is built, naming both fields, not at the first request."""
+    import json
+    import shutil
+
+    bad = tmp_path / "bad-heads"
+    shutil.copytree(trinity_ckpt, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["num_attention_heads"] = cfg["num_key_value_heads"] * 2 + 1
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"num_attention_heads=\d+ must be a positive multiple of num_key_value_heads"):
+        _config(bad)

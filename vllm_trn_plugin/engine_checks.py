@@ -131,6 +131,14 @@ def _refuse_layout(vllm_config: VllmConfig, arch: str) -> None:
         )
     if p.pipeline_parallel_size > 1:
         raise ValueError(f"{arch} has no pipeline stages: --pipeline-parallel-size must be 1")
+    hf = vllm_config.model_config.hf_config
+    if arch == "TrinityMLAForCausalLM":
+        heads, kv_heads = getattr(hf, "num_attention_heads", None), getattr(hf, "num_key_value_heads", None)
+        if not (isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads >= 1 and heads % kv_heads == 0):
+            raise ValueError(
+                f"TrinityMLAForCausalLM: config.json num_attention_heads={heads!r} must be a positive multiple of "
+                f"num_key_value_heads={kv_heads!r} (each KV head serves a whole group of query heads)"
+            )
     if (
         arch == "TrinityMLAForCausalLM"
         and p.enable_expert_parallel

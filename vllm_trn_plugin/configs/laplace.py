@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -51,6 +52,14 @@ class LaplaceConfig(PretrainedConfig):
         self.num_attention_heads = num_heads
         if tie_word_embeddings:
             raise ValueError("laplace config: tie_word_embeddings must be false (untied LM head)")
+        for field, value in (("decay_t_min", decay_t_min), ("decay_t_max", decay_t_max)):
+            # half-lives in tokens: lambda = 2^(-1/T) is a decay in (0, 1) only for 0 < T < inf (a negative T grows the
+            # state without bound, 0 divides by zero)
+            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise ValueError(f"laplace config: {field}={value!r} must be a positive, finite half-life in tokens")
+        for field, value in (("num_heads", num_heads), ("num_decay_tiers", num_decay_tiers)):
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"laplace config: {field}={value!r} must be a positive integer")
         if num_heads % num_decay_tiers:
             raise ValueError(
                 f"laplace config: num_heads={num_heads} is not divisible by num_decay_tiers={num_decay_tiers}"
