@@ -101,66 +101,106 @@ def simple_gla_chunked_prefill(
     # numbered c-major in it: chunk c of the sequence of rank r is chunk starts[c] + r, and the
     # chunks with index c are the contiguous range [starts[c], starts[c] + counts[c]).
     cu_h = cu_seqlens.cpu().long()
-    n_chunks = (cu_h[1:] - cu_h[:-1] + C - 1) // C  # real chunks of each sequence
+    lens_h = cu_h[1:] - cu_h[:-1]
+    n_chunks = (lens_h + C - 1) // C  # real chunks of each sequence
     max_chunks = int(n_chunks.max()) if N else 0
     order_h = torch.argsort(n_chunks, descending=True, stable=True)
     counts_h = N - torch.bincount(n_chunks, minlength=max_chunks + 1).cumsum(0)[:max_chunks]
     starts_h = counts_h.cumsum(0) - counts_h
-    counts_host, starts_host = counts_h.tolist(), starts_h.tolist()  # for the hand-off loop
-    M = sum(counts_host)  # real chunks
-    cu, order, counts, starts = (t.to(dev) for t in (cu_h, order_h, counts_h, starts_h))
-    lens = cu[1:] - cu[:-1]
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(N, device=dev)
-
-    seq_id = torch.repeat_interleave(torch.arange(N, device=dev), lens, output_size=T)
-    pos = torch.arange(T, device=dev) - cu[seq_id]
-    chunk_of, intra = pos // C, pos % C
-    chunk = starts[chunk_of] + rank[seq_id]  # token -> its real chunk
-
-    def pack(x: torch.Tensor) -> torch.Tensor:  # [T, H, d] -> [M, H, C, d], zeros past a chunk's end
-        buf = x.new_zeros(M, H, C, x.shape[-1])
-        buf[chunk, :, intra] = x
-        return buf
-
-    qp, kp, vp = pack(qf), pack(kf), pack(vf)
-    # Real chunk m is chunk c = chunk_idx[m] of the sequence of rank m - starts[c]; its length
-    # L[m] is C but for a sequence's last chunk.
-    chunk_idx = torch.repeat_interleave(torch.arange(max_chunks, device=dev), counts, output_size=M)
-    chunk_seq = order[torch.arange(M, device=dev) - starts[chunk_idx]]
-    L = (lens[chunk_seq] - chunk_idx * C).clamp(max=C)
+    M = int(counts_h.sum())  # real chunks
+    rank_h = torch.empty_like(order_h)
+    rank_h[order_h] = torch.arange(N)
+    # Real chunk m is chunk c = chunk_idx[m] of the sequence of rank m - starts[c]; its length L[m] is C but for
+    # a sequence's last chunk.
+    chunk_idx_h = torch.repeat_interleave(torch.arange(max_chunks), counts_h, output_size=M)
+    chunk_seq_h = order_h[torch.arange(M) - starts_h[chunk_idx_h]]
+    L_h = (lens_h[chunk_seq_h] - chunk_idx_h * C).clamp(max=C)
+    seq_id = torch.repeat_interleave(torch.arange(N), lens_h, output_size=T)
+    pos = torch.arange(T) - cu_h[seq_id]
+    chunk_h, intra_h = starts_h[pos // C] + rank_h[seq_id], pos % C  # token -> its real chunk, row in it
+    width_h = _tile_rows(L_h, C)
 
     idx = torch.arange(C, device=dev, dtype=torch.float32)
     # Intra-chunk decay mask D[h, i, j] = lambda_h^(i-j) for j <= i, else 0.
     diff = idx[:, None] - idx[None, :]
     D = torch.where(diff >= 0, torch.exp(diff.clamp(min=0) * ld[:, None, None]), 0.0)  # [H, C, C]
-    o = (qp @ kp.transpose(-1, -2)).mul_(D) @ vp  # [M, H, C, dv]
+    L = L_h.to(dev)
+    widths = width_h.unique().tolist()
+    # U: each chunk's own contribution to the state it hands on (with one tile width, the matmul's own output)
+    states = qf.new_empty(M, H, dk, dv) if len(widths) > 1 else None
+    tiles = []  # per tile width P: its tokens, their (chunk, row) in the tiles, and the tiles' q and o
+    for P in widths:
+        # The chunks of one tile width, packed as [M_P, H, P, d] with zeros past a chunk's end: a short chunk
+        # (a sequence's last) takes the power of two that holds it, not C rows, so that a step of many short
+        # prompts costs what its tokens cost.
+        members_h = (width_h == P).nonzero().squeeze(1)
+        local_h = torch.full((M,), -1, dtype=torch.long)
+        local_h[members_h] = torch.arange(members_h.numel())
+        tok_h = (local_h[chunk_h] >= 0).nonzero().squeeze(1)
+        tok, members = tok_h.to(dev), members_h.to(dev)
+        row, col = local_h[chunk_h[tok_h]].to(dev), intra_h[tok_h].to(dev)
 
-    # Contribution of each chunk to the state it hands on: sum_j lambda^(L-1-j) k_j v_j^T.
-    # Past the chunk's end k is zero; the where keeps exp of a negative step count out of it.
-    steps_to_end = (L[:, None] - 1 - idx).clamp(min=0)  # [M, C]
-    w = torch.where((idx < L[:, None])[:, None, :], torch.exp(steps_to_end[:, None, :] * ld[:, None]), 0.0)
-    states = kp.mul_(w[..., None]).transpose(-1, -2) @ vp  # U, [M, H, dk, dv] (kp is done with)
+        # [T, H, d] -> [M_P, H, P, d], zeros past a chunk's end
+        qp, kp, vp = (_pack(x, tok, row, col, members_h.numel(), P) for x in (qf, kf, vf))
+        o = (qp @ kp.transpose(-1, -2)).mul_(D[:, :P, :P]) @ vp  # [M_P, H, P, dv]
+        # Contribution of each chunk to the state it hands on: sum_j lambda^(L-1-j) k_j v_j^T.
+        # Past the chunk's end k is zero; the where keeps exp of a negative step count out of it.
+        Lp, ip = L[members], idx[:P]
+        steps_to_end = (Lp[:, None] - 1 - ip).clamp(min=0)  # [M_P, P]
+        w = torch.where((ip < Lp[:, None])[:, None, :], torch.exp(steps_to_end[:, None, :] * ld[:, None]), 0.0)
+        U = kp.mul_(w[..., None]).transpose(-1, -2) @ vp
+        states = U if states is None else states.index_copy_(0, members, U)
+        del kp, vp
+        tiles.append((tok, members, row, col, qp, o))
     chunk_decay = torch.exp(L[:, None].float() * ld)[..., None, None]  # lambda^L, [M, H, 1, 1]
 
-    # Sequential hand-off over the chunk index, each step touching only the sequences that
-    # have that chunk (a prefix of `order`): total work is proportional to M. On the way,
-    # `states` is overwritten with the state each chunk starts from.
-    S = initial_state.to(dev, torch.float32)[order]
-    for s0, n in zip(starts_host, counts_host, strict=True):
-        S_next = chunk_decay[s0 : s0 + n] * S[:n] + states[s0 : s0 + n]
-        states[s0 : s0 + n] = S[:n]
-        S[:n] = S_next
+    S_init = initial_state.to(dev, torch.float32)
+    if max_chunks == 1 and M == N:
+        # Every sequence one chunk (a burst of short prompts): chunk m is sequence m; it starts from its initial
+        # state and hands on lambda^L S_0 + U, formed in U's place: no state beyond the one each sequence hands on.
+        starts_from, final = S_init, states.addcmul_(chunk_decay, S_init)
+    else:
+        # Sequential hand-off over the chunk index, each step touching only the sequences that
+        # have that chunk (a prefix of `order`): total work is proportional to M. On the way,
+        # `states` is overwritten with the state each chunk starts from.
+        S = S_init[order_h.to(dev)]
+        for s0, n in zip(starts_h.tolist(), counts_h.tolist(), strict=True):
+            S_next = torch.addcmul(states[s0 : s0 + n], chunk_decay[s0 : s0 + n], S[:n])
+            states[s0 : s0 + n] = S[:n]
+            S[:n] = S_next
+            del S_next
+        starts_from, final = states, torch.empty_like(S)
+        final[order_h.to(dev)] = S
+        del S
 
     # o_i += lambda^(i+1) q_i^T S_0, with S_0 the state the chunk starts from.
-    qp.mul_(torch.exp((idx + 1)[:, None] * ld).t()[..., None])  # lambda^(i+1), [H, C, 1]
-    o.view(M * H, C, dv).baddbmm_(qp.view(M * H, C, dk), states.view(M * H, dk, dv))
-    o_tok = o[chunk, :, intra]
-    del qp, kp, vp, o, states  # the packed chunks go before the per-token tail allocates
+    o_tok = qf.new_empty(T, H, dv)
+    while tiles:
+        tok, members, row, col, qp, o = tiles.pop()
+        P, Mp = qp.shape[2], qp.shape[0]
+        qp.mul_(torch.exp((idx[:P] + 1)[:, None] * ld).t()[..., None])  # lambda^(i+1), [H, P, 1]
+        S0 = starts_from if Mp == M else starts_from.index_select(0, members)  # one width: every chunk, in order
+        o.view(Mp * H, P, dv).baddbmm_(qp.view(Mp * H, P, dk), S0.view(Mp * H, dk, dv))
+        o_tok[tok] = o[row, :, col]
+        del qp, o, S0  # each width's tiles go as soon as its tokens are out
+    del states, starts_from
     o_tok.mul_(scale).add_(_self_augmentation(qf, kf, vf, aug.float()))
-    final = torch.empty_like(S)
-    final[order] = S
     return o_tok.to(out_dtype), final
+
+
+def _pack(
+    x: torch.Tensor, tok: torch.Tensor, row: torch.Tensor, col: torch.Tensor, chunks: int, P: int
+) -> torch.Tensor:
+    buf = x.new_zeros(chunks, x.shape[1], P, x.shape[-1])
+    buf[row, :, col] = x[tok]
+    return buf
+
+
+def _tile_rows(L: torch.Tensor, C: int) -> torch.Tensor:
+    """Rows of the tile each chunk is packed in: C for a full chunk, else the power of two that holds its L tokens,
+    at least 16 (the widths a step uses number at most log2(C / 16) + 2, so its loop stays short)."""
+    pow2 = torch.ones_like(L) << torch.ceil(torch.log2(L.clamp(min=16).double())).long()
+    return torch.where(L >= C, C, pow2.clamp(max=C))
 
 
 def simple_gla_decode_step(

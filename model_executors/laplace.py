@@ -93,7 +93,9 @@ class LaplaceMixer(MambaBase, nn.Module):
         log_decay = geometric_log_decay(H, config.decay_t_min, config.decay_t_max)
         self.register_buffer("log_decay", log_decay, persistent=False)
 
-        static_ctx = get_current_vllm_config().compilation_config.static_forward_context
+        vllm_config = get_current_vllm_config()
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        static_ctx = vllm_config.compilation_config.static_forward_context
         if prefix in static_ctx:
             raise ValueError(f"Duplicate layer name: {prefix}")
         static_ctx[prefix] = self
@@ -128,7 +130,7 @@ class LaplaceMixer(MambaBase, nn.Module):
         meta = get_forward_context().attn_metadata
         meta = meta.get(self.prefix) if isinstance(meta, dict) else None
         if meta is None:  # profiling / compile warm-up: no state pages bound to requests
-            output.zero_()
+            self.profile_prefill(h, output)
             return
         assert isinstance(meta, GLAStateMetadata)
         T, nd = meta.num_actual_tokens, meta.num_decode_tokens
@@ -144,6 +146,21 @@ class LaplaceMixer(MambaBase, nn.Module):
             o = self.prefill(h[nd:T], meta.prefill_cu_seqlens, meta.prefill_slots, meta.prefill_has_state)
             output[nd:T] = o.to(output.dtype)
         output[T:] = 0
+
+    def profile_prefill(self, h: torch.Tensor, output: torch.Tensor) -> None:
+        """The prefill of the profile run's tokens, from zero states and writing no page, laid out as the step of
+        those tokens that needs the most memory: as many sequences as the scheduler admits, each of them a state
+        read, handed on and written (the per-step transient vLLM's profile must see to size the cache around it)."""
+        T = h.shape[0]
+        N = max(1, min(self.max_num_seqs, T))
+        cu = torch.linspace(0, T, N + 1).round().to(torch.int32)
+        H, dk, dv = self.num_heads, self.head_k_dim, self.head_v_dim
+        conv0 = h.new_zeros(N, self.config.conv_size - 1, self.hidden_size)
+        x, _ = causal_conv1d_prefill(h, self.conv1d.weight[:, 0, :], self.conv1d.bias, cu, conv0)
+        q, k, v, g = self.project(x)
+        state0 = torch.zeros(N, H, dk, dv, dtype=torch.float32, device=h.device)
+        o, _ = simple_gla_chunked_prefill(q, k, v, self.aug_balance, self.log_decay, self.scale, cu, state0)
+        output[:T] = self.gated_output(o, g).to(output.dtype)
 
     # --- the state as both runners use it (vLLM's, above; the device step, vllm_trn_plugin/neuron/laplace.py) ---
 
@@ -166,12 +183,14 @@ class LaplaceMixer(MambaBase, nn.Module):
         """Packed prompts h [T, D] (`cu_seqlens` on the host) -> the o_proj input [T, H * dv] fp32. Sequence n
         continues from page pages[n] if has_state[n] (a later chunk), else from zero; its page is rewritten."""
         gla_pool, conv_pool = self.kv_cache
-        keep = has_state[:, None, None]
-        x, conv = causal_conv1d_prefill(
-            h, self.conv1d.weight[:, 0, :], self.conv1d.bias, cu_seqlens, torch.where(keep, conv_pool[pages], 0)
-        )
+        fresh = ~has_state
+        # One read of each sequence's pages (a new sequence's zeroed in place): a step of many short prompts costs
+        # its tokens plus one state per sequence.
+        conv0 = conv_pool[pages].masked_fill_(fresh[:, None, None], 0)
+        x, conv = causal_conv1d_prefill(h, self.conv1d.weight[:, 0, :], self.conv1d.bias, cu_seqlens, conv0)
+        del conv0
         q, k, v, g = self.project(x)
-        state0 = torch.where(keep[..., None], gla_pool[pages], 0)
+        state0 = gla_pool[pages].masked_fill_(fresh[:, None, None, None], 0)
         o, state = simple_gla_chunked_prefill(q, k, v, self.aug_balance, self.log_decay, self.scale, cu_seqlens, state0)
         gla_pool[pages] = state
         conv_pool[pages] = conv

@@ -214,7 +214,9 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         # no step converts it. Nothing calls k_norm as a module: the keys it normalises are never materialised.
         self.k_norm = nn.Module()
         self.k_norm.weight = nn.Parameter(torch.ones(hd, dtype=torch.float32))
-        self.latent_dtype = latent_cache_dtype(get_current_vllm_config())
+        vllm_config = get_current_vllm_config()
+        self.latent_dtype = latent_cache_dtype(vllm_config)
+        self.max_model_len = vllm_config.model_config.max_model_len if vllm_config.model_config else 0
         self.key_scales: torch.Tensor | None = None  # [cache rows, Hkv] fp32, beside kv_cache
         self.latent_scales: torch.Tensor | None = None  # [cache rows] fp32, beside an FP8 kv_cache
         self.kv_cache = torch.tensor([])
@@ -320,7 +322,7 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         meta = get_forward_context().attn_metadata
         meta = meta.get(self.prefix) if isinstance(meta, dict) else None
         if meta is None:  # profiling / compile warm-up
-            output.zero_()
+            self.profile_attend(q, latent, output)
             return
         assert isinstance(meta, LatentMetadata)
         T, bs = meta.num_actual_tokens, meta.block_size
@@ -340,6 +342,20 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
             # lower-right causal bias: torch's CPU flash kernel, no [H, n, L] mask or score tensor in memory
             o = self.rebuilt_attention(q[s:e], c, ks, Wk, Wv, causal_lower_right(e - s, L))
             out[s:e] = o.to(out.dtype)
+        output[T:] = 0
+
+    def profile_attend(self, q: torch.Tensor, latent: torch.Tensor, output: torch.Tensor) -> None:
+        """vLLM's profile run (no attention metadata): the prefill of the step's tokens as one sequence, with the
+        transient a real step has at worst beside it, the keys and values rebuilt for a max_model_len context (a
+        chunked prefill's last chunk rebuilds its whole context), so the cache budget leaves room for both."""
+        T = q.shape[0]
+        Wk, Wv = self.kv_weights()
+        rows, dequant = self.stored_latents(latent)
+        c = self.latent_values(rows, dequant)
+        longest = torch.zeros(2, self.num_kv_heads, max(self.max_model_len - T, 0), self.head_dim, device=q.device)
+        o = self.rebuilt_attention(q, c, self.key_scale(c, Wk), Wk, Wv, causal_lower_right(T, T))
+        del longest
+        output[:T] = o.reshape(T, -1).to(output.dtype)
         output[T:] = 0
 
     # --- the cache as both runners use it (vLLM's, above; the device step, vllm_trn_plugin/neuron/trinity_mla.py) ---

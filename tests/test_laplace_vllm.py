@@ -7,7 +7,10 @@ continue from the saved state, and prefills and decodes share batches.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from tests.helpers import (
     LOGPROB_TOL,
@@ -109,3 +112,111 @@ def test_reused_slot_equals_fresh_engine(laplace_llm) -> None:
         got, want = chosen_steps(again), chosen_steps(fresh)
         assert got[0] == want[0], f"probe of {len(prompt)} tokens: {got[0]} in a reused slot, {want[0]} fresh"
         assert max(abs(a - b) for a, b in zip(got[1], want[1])) <= LOGPROB_TOL
+
+
+_PROFILE_CHILD = """
+import json, sys, tempfile
+import torch
+from torch.profiler import ProfilerActivity
+from torch.profiler import profile as profiler
+from vllm.config import set_current_vllm_config
+from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+from vllm.engine.arg_utils import EngineArgs
+from vllm.forward_context import set_forward_context
+from vllm.model_executor.model_loader import get_model_loader
+from vllm.model_executor.model_loader.utils import process_weights_after_loading
+from vllm_trn_plugin import register
+from vllm_trn_plugin.model_executors.laplace import LaplaceMixer
+from vllm_trn_plugin.model_executors.latent_attention import TrinityLatentAttention
+
+class PeakBytes:
+    # the peak of the bytes a block holds live beyond what it started with, from the profiler's allocation and free
+    # events in time order (a true peak, tensor subclasses included)
+    def __enter__(self):
+        self.prof = profiler(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.prof.__enter__()
+        return self
+    def __exit__(self, *exc):
+        self.prof.__exit__(*exc)
+        live = self.bytes = 0
+        for e in sorted(self.prof.events(), key=lambda e: e.time_range.start):
+            live += e.self_cpu_memory_usage
+            self.bytes = max(self.bytes, live)
+
+register()
+kind, ckpt, max_num_seqs, T, max_model_len = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+vc = EngineArgs(
+    model=ckpt, dtype="float32", max_model_len=max_model_len, max_num_seqs=max_num_seqs, enforce_eager=True
+).create_engine_config()
+with set_current_vllm_config(vc):
+    init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, "gloo")
+    ensure_model_parallel_initialized(1, 1)
+    loader = get_model_loader(vc.load_config)
+    model = loader.create_model(vllm_config=vc, model_config=vc.model_config)
+    loader.load_weights(model, vc.model_config)
+    process_weights_after_loading(model, vc.model_config, torch.device("cpu"))  # vLLM's CPU linear layers' set-up
+layer_type = LaplaceMixer if kind == "laplace" else TrinityLatentAttention
+layer = next(m for m in model.modules() if isinstance(m, layer_type))
+D = vc.model_config.hf_config.hidden_size
+h = torch.randn(T, D, generator=torch.Generator().manual_seed(0))
+with torch.no_grad():  # what vLLM's profile run calls: no attention metadata
+    if kind == "laplace":
+        profile = torch.full((T, layer.num_heads * layer.head_v_dim), float("nan"))
+        with set_forward_context(None, vc), PeakBytes() as made:
+            layer.mix(h, profile)
+    else:
+        q, latent = layer.project(h)
+        profile = torch.full((T, layer.num_heads * layer.head_dim), float("nan"))
+        with set_forward_context(None, vc), PeakBytes() as made:
+            layer.attend(q, latent, profile)
+result = {"profile_bytes": made.bytes, "finite": bool(profile.isfinite().all()), "nonzero": bool(profile.any())}
+if kind == "laplace":
+    pages = 1 + max_num_seqs
+    shapes = zip(layer.get_state_shape(), layer.get_state_dtype())
+    layer.kv_cache = [torch.full((pages, *s), float("nan"), dtype=d) for s, d in shapes]
+    for n in sorted({1, min(max_num_seqs, T)}):  # T tokens as one prompt, and as many prompts as admitted
+        cu = torch.linspace(0, T, n + 1).round().to(torch.int32)
+        with torch.no_grad(), PeakBytes() as made:
+            out = layer.prefill(h, cu, torch.arange(1, n + 1), torch.zeros(n, dtype=torch.bool))
+        result[f"step_bytes_{n}"] = made.bytes
+        result[f"max_diff_{n}"] = float((out - profile).abs().max())
+print("RESULT" + json.dumps(result))
+"""
+
+
+def _profile_child(kind: str, ckpt: Path, max_num_seqs: int, T: int, max_model_len: int) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    argv = [kind, str(ckpt), str(max_num_seqs), str(T), str(max_model_len)]
+    proc = subprocess.run([sys.executable, "-c", _PROFILE_CHILD, *argv], capture_output=True, text=True, timeout=600)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
+    assert line, f"child failed:\n{proc.stderr[-3000:]}"
+    return json.loads(line[0].removeprefix("RESULT"))
+
+
+def test_profile_run_costs_what_a_real_step_costs(laplace_ckpt: Path, tmp_path: Path) -> None:
+    """vLLM sizes the cache from its profile run, which calls the stateful layers with no attention metadata: that
+    call must allocate what a real step of its tokens does at worst, not return zeros and leave the step's transient
+    out of the budget. Checked in a child process on each loaded model.
+    - Laplace: the peak bytes the profile call holds against the real prefill of the same tokens as one prompt and as
+      max_num_seqs prompts from fresh pages (each a state read, handed on and written), whose output it must equal.
+    - MLA-Trinity: at least the keys and values rebuilt for a max_model_len context (what the last chunk of a long
+      prompt's chunked prefill holds), from the checkpoint's own geometry, and a real (finite, non-zero) output."""
+    import json
+
+    from vllm_trn_plugin.demo import write_trinity_demo
+
+    max_num_seqs, T = 16, 64
+    r = _profile_child("laplace", laplace_ckpt, max_num_seqs, T, 256)
+    assert r["finite"] and r[f"max_diff_{max_num_seqs}"] == 0.0, r  # the profile runs the real prefill of that layout
+    assert r["profile_bytes"] >= max(r["step_bytes_1"], r[f"step_bytes_{max_num_seqs}"]), r
+
+    trinity = write_trinity_demo(tmp_path / "trinity", dtype=torch.float32)
+    cfg = json.loads((trinity / "config.json").read_text())
+    max_model_len = 2048
+    r = _profile_child("trinity", trinity, max_num_seqs, T, max_model_len)
+    kv_bytes = 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * max_model_len * 4
+    assert r["finite"] and r["nonzero"], r
+    assert r["profile_bytes"] >= kv_bytes, (r, kv_bytes)

@@ -67,7 +67,7 @@ def assert_close(actual: torch.Tensor, ref: torch.Tensor, tol: float, what: str)
     scale = r.abs().max().item() if r.numel() else 0.0
     err = (a - r).abs()
     if _REPORT:
-        worst = err.max().item()
+        worst = err.max().item() if err.numel() else 0.0
         print(f"\n[{what}] max|err|={worst:.3e} max|ref|={scale:.3e} normwise={worst / max(scale, 1e-300):.3e}")
     bound = tol * r.abs() + tol * scale
     bad = err > bound
@@ -361,33 +361,49 @@ def test_prefill_mixed_lengths_matches_recurrence(H, dk, dv, lengths):
     assert_close(S, S_ref, FP32_TOL, f"mixed lengths S {H}x{dk}x{dv}")
 
 
-def test_prefill_memory_proportional_to_tokens():
-    """A step of one long and many short prompts must cost what its tokens cost.
-
-    Independent bound: chunked prefill pads each sequence to whole chunks, at most C-1 rows per
-    sequence, and a chunk row holds at most max(C, dk, dv) values per head (a row of scores, or
-    of q, k, v, o); a state is dk x dv per head and sequence. So no tensor an op creates may
-    exceed B = (T + N (C-1)) H max(C, dk, dv) + N H dk dv, and all of them together are a small
-    multiple of B (docs/kernels.md has the measured multiples, and those of the earlier version that padded
-    every sequence to the longest one's chunk count).
-    """
+def check_step_sizes(lengths: tuple[int, ...], padded_rows: int, what: str, seed: int) -> None:
+    """The prefill of one step of `lengths` creates no tensor above B = padded_rows H max(C, dk, dv) + N H dk dv
+    elements (a padded row holds at most max(C, dk, dv) values per head: a row of scores, or of q, k, v, o; a
+    state is dk x dv per head and sequence) and at most 16 B in all, and matches the float64 recurrence."""
     H, dk, dv, C = 2, 16, 32, 128
-    lengths = (64, 1000, 1, 127, 128, 129, 300) + (64,) * 26
-    T, N = sum(lengths), len(lengths)
-    q, k, v, aug, S0 = make_inputs(lengths, H, dk, dv, seed=81)
+    N = len(lengths)
+    q, k, v, aug, S0 = make_inputs(lengths, H, dk, dv, seed=seed)
     lam = ref_lambda(H, 1.0, 2048.0)
     log_decay, scale = geometric_log_decay(H, 1.0, 2048.0), dk**-0.5
     with OpOutputSizes() as sizes:
         o, S = simple_gla_chunked_prefill(q, k, v, aug, log_decay, scale, cu_of(lengths), S0)
-    bound = (T + N * (C - 1)) * H * max(C, dk, dv) + N * H * dk * dv
+    bound = padded_rows * H * max(C, dk, dv) + N * H * dk * dv
     largest, total = max(sizes.numels), sum(sizes.numels)
     if _REPORT:
-        print(f"\n[proportional step sizes] largest {largest / bound:.2f} B, total {total / bound:.1f} B")
-    assert largest <= bound, f"largest intermediate {largest} elements > {bound} (T={T}, N={N})"
-    assert total <= 16 * bound, f"elements created {total} > 16 x {bound} (T={T}, N={N})"
+        print(f"\n[{what} sizes] largest {largest / bound:.2f} B, total {total / bound:.1f} B")
+    assert largest <= bound, f"{what}: largest intermediate {largest} elements > {bound} (T={sum(lengths)}, N={N})"
+    assert total <= 16 * bound, f"{what}: elements created {total} > 16 x {bound} (T={sum(lengths)}, N={N})"
     o_ref, _, S_ref = ref_packed(q, k, v, aug, lam, scale, lengths, S0)
-    assert_close(o, o_ref, FP32_TOL, "proportional step o")
-    assert_close(S, S_ref, FP32_TOL, "proportional step S")
+    assert_close(o, o_ref, FP32_TOL, f"{what} o")
+    assert_close(S, S_ref, FP32_TOL, f"{what} S")
+
+
+def test_prefill_memory_proportional_to_tokens():
+    """A step of one long and many short prompts must cost what its tokens cost.
+
+    Independent bound: chunked prefill pads each sequence to whole chunks, at most C-1 rows per sequence, so the
+    padded rows number at most T + N (C-1) (`check_step_sizes` has the rest of B; docs/kernels.md the measured
+    multiples, and those of the earlier version that padded every sequence to the longest one's chunk count).
+    """
+    lengths = (64, 1000, 1, 127, 128, 129, 300) + (64,) * 26
+    check_step_sizes(lengths, sum(lengths) + len(lengths) * 127, "proportional step", seed=81)
+
+
+def test_prefill_memory_follows_tokens_under_a_burst_of_tiny_prompts():
+    """A step of many tiny prompts (a burst of one- and two-token requests) costs its tokens plus one state per
+    sequence, not a 128-token chunk per prompt.
+
+    Independent bound: a sequence's last chunk of L rows may be padded to the power of two that holds it, at least
+    16 rows (< max(2L, 16)); every other chunk is full. So the padded rows number under 2T + 16N. Padding every
+    sequence to a whole chunk (C rows for a two-token prompt) exceeds it several times over.
+    """
+    lengths = (2,) * 32 + (1,) * 8 + (5, 17, 33, 129)
+    check_step_sizes(lengths, 2 * sum(lengths) + 16 * len(lengths), "burst step", seed=82)
 
 
 def _call_prefill(cu: torch.Tensor, T: int, N: int) -> None:
