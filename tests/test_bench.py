@@ -1,24 +1,30 @@
 """`vllm-trn bench`: statistics on hand-made samples and against numpy, the /metrics reader, the arrival processes
 and length distributions, the load driver against a scripted streaming server (exact concurrency, batches,
-side-by-side order), and one end-to-end sweep against the session's real `vllm-trn serve` of the demo Laplace
-checkpoint whose results `vllm bench sweep plot` draws."""
+side-by-side order), the bench, the soak's wave and the malformed-input sweep against a server sending malformed
+events (each such request fails with its message, the rest is measured and written), one end-to-end sweep against
+the session's real `vllm-trn serve` of the demo Laplace checkpoint whose results `vllm bench sweep plot` draws, and
+the trn2 recipes (flags, buckets, and how the replicas share an instance's NeuronCores)."""
 
 from __future__ import annotations
 
 import asyncio
 import csv
+import itertools
 import json
+import os
 import random
+import shlex
 import socket
 import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.helpers import trn2_recipe_argv
+from tests.helpers import TRN2, trn2_recipe_argv
 from vllm_trn_plugin.bench import build_parser, run_bench
 from vllm_trn_plugin.bench.client import RequestResult, Target
 from vllm_trn_plugin.bench.local import vllm_trn_command
@@ -191,8 +197,7 @@ class ScriptedServer:
 
         self.gap, self.log, self.inflight, self.peak = gap, [], {}, {}
         app = web.Application()
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_get("/v1/models", self.models)
+        self.routes(app)
         self.runner = web.AppRunner(app)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -211,6 +216,10 @@ class ScriptedServer:
         self.thread.start()
         started.wait(10)
         self.url = f"http://127.0.0.1:{self.port}"
+
+    def routes(self, app) -> None:  # noqa: ANN001
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
 
     async def models(self, request):  # noqa: ANN001, ANN201
         from aiohttp import web
@@ -323,6 +332,202 @@ def test_failed_requests_are_counted_not_raised(scripted: ScriptedServer) -> Non
 
 
 # ---------------------------------------------------------------------------------------------------
+# A server that answers some requests with malformed events: those requests fail with a clear message,
+# the others are measured, and the load point (or the soak's wave) completes and is written.
+
+# Each: the `data:` payload sent after one well-formed chunk, and what the request's error must say.
+BAD_EVENTS: dict[str, tuple[bytes, str]] = {
+    "array": (b"[1, 2, 3]", "event is an array ([1, 2, 3]), expected an object"),
+    "number": (b"5", "event is a number (5), expected an object"),
+    "string": (b'"x"', 'event is a string ("x"), expected an object'),
+    "null": (b"null", "event is null, expected an object"),
+    "not-json": (b"{oops", "event is not JSON"),
+    "deep": (b"[" * 20000 + b"]" * 20000, "event nested too deeply"),
+    "choices-number": (b'{"choices": 5}', "choices is a number (5), expected an array"),
+    "choice-string": (b'{"choices": ["x"]}', 'choices[0] is a string ("x"), expected an object'),
+    "finish-number": (b'{"choices": [{"index": 0, "finish_reason": 3}]}', "choices[0].finish_reason is a number"),
+    "usage-array": (b'{"choices": [], "usage": [1]}', "usage is an array ([1]), expected an object"),
+    "usage-count-array": (
+        b'{"choices": [], "usage": {"completion_tokens": [3]}}',
+        "usage.completion_tokens is an array ([3]), expected a non-negative integer",
+    ),
+    "usage-count-negative": (b'{"choices": [], "usage": {"completion_tokens": -2}}', "usage.completion_tokens is -2"),
+}
+COMPLETIONS_BAD = {
+    "text-number": (b'{"choices": [{"index": 0, "text": 7}]}', "choices[0].text is a number (7), expected a string"),
+}
+CHAT_BAD = {
+    "delta-array": (b'{"choices": [{"index": 0, "delta": [1]}]}', "choices[0].delta is an array ([1]), expected an"),
+    "content-number": (b'{"choices": [{"delta": {"content": 7}}]}', "choices[0].delta.content is a number (7)"),
+}
+SOAK_BAD = {
+    "logprobs-array": (
+        b'{"choices": [{"index": 0, "text": "x", "logprobs": [1]}]}',
+        "choices[0].logprobs is an array ([1]), expected an object",
+    ),
+    "token-number": (
+        b'{"choices": [{"text": "x", "logprobs": {"tokens": [5]}}]}',
+        "choices[0].logprobs.tokens[0] is a number (5), expected a string",
+    ),
+    "top-string": (
+        b'{"choices": [{"text": "x", "logprobs": {"tokens": ["token_id:7"], "top_logprobs": ["x"]}}]}',
+        'choices[0].logprobs.top_logprobs[0] is a string ("x"), expected an object',
+    ),
+    "top-value-string": (
+        b'{"choices": [{"text": "x", "logprobs": {"tokens": ["token_id:7"], "top_logprobs": [{"token_id:7": "a"}]}}]}',
+        'is a string ("a"), expected a number',
+    ),
+}
+
+
+# An event that mentions "error" but is no object (for the malformed-input sweep's reader).
+SWEEP_BAD = {"error-array": (b'["error"]', "")}
+
+
+class MalformedServer(ScriptedServer):
+    """Completions and chat, streamed: a request whose prompt (or last message) names an event of BAD_EVENTS,
+    COMPLETIONS_BAD, CHAT_BAD or SOAK_BAD gets that event after its first chunk, then the rest of a well-formed
+    stream ([DONE] included); any other prompt gets a well-formed stream of `max_tokens` chunks, each one token
+    (id 7) with its top-2 logprobs. /metrics answers something that is no Prometheus text, /broken/v1/models a
+    JSON array."""
+
+    TOKEN = {"tokens": ["token_id:7"], "top_logprobs": [{"token_id:7": -0.25, "token_id:8": -2.0}]}
+
+    def routes(self, app) -> None:  # noqa: ANN001
+        super().routes(app)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/broken/v1/models", self.broken_models)
+
+    async def metrics(self, request):  # noqa: ANN001, ANN201
+        from aiohttp import web
+
+        return web.Response(text="<html>busy</html>")
+
+    async def broken_models(self, request):  # noqa: ANN001, ANN201
+        from aiohttp import web
+
+        return web.json_response([1, 2])
+
+    async def completions(self, request):  # noqa: ANN001, ANN201
+        body = await request.json()
+        return await self._stream(request, body, body["prompt"], chat=False)
+
+    async def chat(self, request):  # noqa: ANN001, ANN201
+        body = await request.json()
+        return await self._stream(request, body, body["messages"][-1]["content"], chat=True)
+
+    async def _stream(self, request, body: dict, name: str, chat: bool):  # noqa: ANN001, ANN202
+        from aiohttp import web
+
+        bad = (BAD_EVENTS | COMPLETIONS_BAD | CHAT_BAD | SOAK_BAD | SWEEP_BAD).get(name)
+        n = body["max_tokens"]
+        events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}] if chat else []
+        for k in range(n):
+            finish = "length" if k == n - 1 else None
+            if chat:
+                events.append({"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": finish}]})
+            else:
+                choice = {"index": 0, "text": "x", "logprobs": self.TOKEN, "finish_reason": finish}
+                events.append({"choices": [choice]})
+        events.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}})
+        lines = [json.dumps(e).encode() for e in events]
+        if bad is not None:
+            lines.insert(2 if chat else 1, bad[0])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for line in [*lines, b"[DONE]"]:
+                await resp.write(b"data: " + line + b"\n\n")
+        except ConnectionResetError:  # the client gave up at the bad event
+            pass
+        return resp
+
+
+@pytest.fixture(scope="module")
+def malformed():  # noqa: ANN201
+    s = MalformedServer()
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_malformed_events_fail_their_request_not_the_run(
+    malformed: MalformedServer, tmp_path: Path, endpoint: str
+) -> None:
+    bad = BAD_EVENTS | (CHAT_BAD if endpoint == "chat" else COMPLETIONS_BAD)
+    # The first row is well-formed: the warm-up request uses it. Good and bad requests alternate.
+    names = [n for name in bad for n in (f"good-{name}", name)]
+    ds = tmp_path / "prompts.jsonl"
+    ds.write_text("".join(json.dumps({"prompt": n, "output_tokens": 4}) + "\n" for n in names))
+    out = tmp_path / "bench"
+    args = build_parser().parse_args(
+        ["--base-url", malformed.url, "--model", "m", "--endpoint", endpoint, "--dataset", str(ds)]
+        + ["--num-requests", str(len(names)), "--concurrency", "4", "--out", str(out), "--no-plots", "--no-progress"]
+    )
+    payload = run_bench(args)
+    (point,) = payload["points"]
+    assert (point["summary"]["completed"], point["summary"]["failed"]) == (len(bad), len(bad))
+    rows = list(csv.DictReader(open(out / "requests.csv")))
+    assert [int(r["index"]) for r in rows] == list(range(len(names)))
+    for r, name in zip(rows, names):
+        if name.startswith("good-"):
+            assert (r["ok"], r["output_tokens"], r["chunks"], r["error"]) == ("1", "4", "4", ""), (name, r)
+            assert float(r["ttft_ms"]) > 0 and float(r["e2el_ms"]) >= float(r["ttft_ms"])
+        else:
+            assert r["ok"] == "0" and r["error"].startswith("bad response: "), (name, r)
+            assert bad[name][1] in r["error"], (name, r["error"])
+    assert json.loads((out / "summary.json").read_text())[0]["completed"] == len(bad)
+    assert (out / "bench.json").exists() and (out / "summary.csv").exists()
+
+
+def test_bad_model_listing_is_a_clear_error(malformed: MalformedServer) -> None:
+    from vllm_trn_plugin.bench.client import BadResponse
+    from vllm_trn_plugin.bench.soak import _first_model
+
+    url = malformed.url + "/broken"
+    args = build_parser().parse_args(["--base-url", url, "--no-plots", "--no-progress", "--num-requests", "1"])
+    with pytest.raises(BadResponse, match=r"/broken/v1/models: .*\[1, 2\]"):
+        run_bench(args)
+    with pytest.raises(BadResponse, match=r"/broken/v1/models: .*\[1, 2\]"):
+        _first_model(url)
+
+
+def test_soak_wave_survives_malformed_events(malformed: MalformedServer) -> None:
+    from vllm_trn_plugin.bench import soak
+    from vllm_trn_plugin.bench.workload import RequestSpec
+
+    bad = BAD_EVENTS | SOAK_BAD  # (the soak reads token ids from `logprobs`, not `text`)
+    names = ["good", *bad]
+    specs = [RequestSpec(i, name, 4) for i, name in enumerate(names)]
+    plan = [(p, None) for p in range(len(names))] * 2  # every prompt twice, all streams at once
+    target = Target(malformed.url, "m")
+    # /metrics answers no Prometheus text: the poll sees nothing, the wave still runs.
+    w = asyncio.run(soak.run_wave(target, specs, plan, timeout=60, poll_s=0.05))
+    assert [s.prompt for s in w.streams] == [p for p, _ in plan]
+    for s in w.streams:
+        if names[s.prompt] == "good":
+            assert s.complete and s.tokens == [7] * 4 and s.usage_tokens == 4 and s.finish_reason == "length", s
+            assert s.top == [{7: -0.25, 8: -2.0}] * 4
+        else:
+            assert not s.complete and s.error.startswith("bad response: "), (names[s.prompt], s)
+            assert bad[names[s.prompt]][1] in s.error, (names[s.prompt], s.error)
+    (ref,) = asyncio.run(soak.serve_alone(target, specs[:1]))
+    counts, details, _ = soak.summarize_wave(w, [ref] * len(names), 4, 0.0)
+    assert counts == {"correct": 2, "error": 2 * len(bad)}
+    assert all(d["verdict"] == "error" and d["error"].startswith("bad response: ") for d in details)
+
+
+def test_sweep_reads_a_malformed_error_event_as_a_server_error(malformed: MalformedServer) -> None:
+    from vllm_trn_plugin.bench.malformed import Case, run_sweep
+
+    # An event that mentions "error" but is no object: the sweep records a server error, it does not raise.
+    cases = [Case("x", "/v1/completions", {"prompt": "error-array", "max_tokens": 2}, expect="not5xx")]
+    (res,) = run_sweep(malformed.url, "m", cases, timeout=30)
+    assert res["status"] == 200 and res["stream_error_code"] == 500 and not res["ok"]
+
+
+# ---------------------------------------------------------------------------------------------------
 # End to end against the real server
 
 
@@ -383,9 +588,47 @@ def test_sweep_against_vllm_serve(servers, tmp_path: Path) -> None:  # noqa: ANN
 # The trn2 recipes: every flag exists in `vllm serve` and the numbers obey vllm-neuron's bucket rules
 
 
+TRN2_CORES = 64  # logical NeuronCores of a trn2.48xlarge: 16 Trainium2 chips x 4 at LNC=2
+
+
+def trn2_instance_plan(model: str, log_dir: Path, root: Path = TRN2) -> tuple[list[list[int]], list[str], list[str]]:
+    """What `launch-instance.sh MODEL CKPT --dry-run` (in `root`) starts: the NeuronCores of each replica
+    (NEURON_RT_VISIBLE_CORES), each replica's URL, and the URLs the router sends to."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REPLICAS", "NEURON_CORES", "BASE_PORT")}
+    printed = subprocess.run(
+        [str(root / "launch-instance.sh"), model, "/models/x", "--dry-run"],
+        env={**env, "LOG_DIR": str(log_dir)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    cores, urls, router = [], [], []
+    for words in map(shlex.split, printed.splitlines()):
+        if words[:1] == ["env"]:
+            assert model in words, words  # a replica of this model
+            opts = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+            lo, _, hi = opts["NEURON_RT_VISIBLE_CORES"].partition("-")
+            cores.append(list(range(int(lo), int(hi or lo) + 1)))
+            urls.append(f"http://127.0.0.1:{opts['PORT']}")
+        elif words[:1] == ["vllm-router"]:
+            i = words.index("--worker-urls") + 1
+            router = list(itertools.takewhile(lambda w: not w.startswith("--"), words[i:]))
+    return cores, urls, router
+
+
+def trn2_k8s_engine(model: str, root: Path = TRN2) -> tuple[int, dict[str, Any]]:
+    """The engine Deployment of deploy/trn2/k8s/MODEL.yaml: its replica count and its container's resources."""
+    import yaml
+
+    docs = yaml.safe_load_all((root / "k8s" / f"{model}.yaml").read_text())
+    (dep,) = [d for d in docs if d and d.get("kind") == "Deployment"]
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    return dep["spec"]["replicas"], container["resources"]
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("model,cores", [("laplace-3b", 1), ("mla-trinity", 2)])
-def test_trn2_recipe_parses_as_vllm_serve(model: str, cores: int) -> None:
+def test_trn2_recipe_parses_as_vllm_serve(model: str, cores: int, tmp_path: Path) -> None:
     from vllm_trn_plugin.cli import ensure_vllm_version_lookup
 
     ensure_vllm_version_lookup()
@@ -398,6 +641,17 @@ def test_trn2_recipe_parses_as_vllm_serve(model: str, cores: int) -> None:
     ServeSubcommand().subparser_init(parser.add_subparsers())
     ns = parser.parse_args(argv[1:])  # unknown or misspelt flags fail here
     assert ns.model_tag == "/models/x" and ns.tensor_parallel_size == cores
+    # One engine shards over `tensor_parallel_size` NeuronCores. The instance launcher must give every replica
+    # exactly that many, no core to two replicas, and fill the instance: 64 // cores replicas (64 Laplace engines
+    # of 1 core, 32 MLA-Trinity replicas of 2), all behind the router; Kubernetes the same count and cores per pod.
+    replica_cores, urls, router = trn2_instance_plan(model, tmp_path)
+    assert [len(c) for c in replica_cores] == [ns.tensor_parallel_size] * (TRN2_CORES // ns.tensor_parallel_size)
+    assert sorted(sum(replica_cores, [])) == list(range(TRN2_CORES))
+    assert router == urls and len(set(urls)) == len(urls)
+    replicas, resources = trn2_k8s_engine(model)
+    assert replicas == TRN2_CORES // ns.tensor_parallel_size
+    assert resources["requests"]["aws.amazon.com/neuroncore"] == ns.tensor_parallel_size
+    assert resources["limits"]["aws.amazon.com/neuroncore"] == ns.tensor_parallel_size
     assert ns.enable_prefix_caching is False
     nc = ns.additional_config["neuron_config"]
     # vllm-neuron: the largest decode-width bucket is max_num_seqs; a token budget below max_model_len means segmented

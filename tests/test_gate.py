@@ -220,6 +220,26 @@ def test_text_is_tokenized_in_pieces_like_the_whole(monkeypatch: pytest.MonkeyPa
         inputs.TokenInput(None, str(tmp_path / "t.json"), _byte_encode)
 
 
+def test_text_without_whitespace_is_cut_by_length(tmp_path: Path) -> None:
+    """A text with no whitespace (CJK, minified JSON) is cut into pieces of at most TEXT_PIECE_CHARS characters
+    that put together give the text back; text with whitespace is still cut at whitespace."""
+    bound = inputs.TEXT_PIECE_CHARS
+    rng = np.random.default_rng(0)
+    cjk = "".join(map(chr, rng.integers(0x4E00, 0x9FFF, 200_000))) + "\U0001f600" * 10  # and some non-BMP
+    for text in (cjk, "a " + cjk, cjk + " end"):
+        f = tmp_path / "cjk.txt"
+        f.write_text(text, encoding="utf-8")
+        pieces = list(inputs._text_pieces(f))
+        assert "".join(pieces) == text
+        assert max(map(len, pieces)) <= bound and len(pieces) <= -(-len(text) // bound) + 2
+    ordinary = " ".join(f"word{i}" for i in range(60_000))
+    f = tmp_path / "plain.txt"
+    f.write_text(ordinary)
+    pieces = list(inputs._text_pieces(f))
+    assert "".join(pieces) == ordinary and len(pieces) > 1 and max(map(len, pieces)) <= bound
+    assert all(p[0] == " " for p in pieces[1:])  # every cut falls just before a space
+
+
 # ---- small models -------------------------------------------------------------------------------------------------
 
 

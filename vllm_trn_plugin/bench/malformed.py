@@ -261,12 +261,16 @@ def run_sweep(base_url: str, model: str, cases: Sequence[Case], timeout: float =
 
 
 def _stream_error_code(text: str) -> int | None:
+    """The code of the stream's first error event; 500 when that event is malformed (not JSON, not an object,
+    an error or code of the wrong type): a server that cannot write its error event well is at fault."""
     for line in text.splitlines():
         if line.startswith("data:") and '"error"' in line:
             try:
-                err = json.loads(line[5:]).get("error", {})
-                return int(err.get("code", 500)) if isinstance(err, dict) else 500
-            except (json.JSONDecodeError, ValueError):
+                event = json.loads(line[5:])
+                err = event.get("error", {}) if isinstance(event, dict) else None
+                code = err.get("code", 500) if isinstance(err, dict) else 500
+                return 500 if isinstance(code, bool) else int(code)
+            except (ValueError, TypeError, OverflowError, RecursionError):
                 return 500
     return None
 
@@ -274,7 +278,7 @@ def _stream_error_code(text: str) -> int | None:
 def _json_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text), dict)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return False
 
 

@@ -1,8 +1,9 @@
 """The gate's text: a UTF-8 text file tokenized with the reference's tokenizer, or a token file, cut into windows.
 
-A text file is read and tokenized in pieces of about TEXT_PIECE_CHARS characters cut at whitespace, so memory
-holds one piece and one window, whatever the file's length (both sides score the same ids, so where a piece
-boundary falls changes nothing in the comparison). A token file (.json list, .npy) is read whole: ids are small.
+A text file is read and tokenized in pieces of at most TEXT_PIECE_CHARS characters, cut at the last space or
+newline when the piece has one and at the bound when it has none (CJK, minified JSON), so memory holds one piece
+and one window whatever the file's length or content (both sides score the same ids, so where a piece boundary
+falls changes nothing in the comparison). A token file (.json list, .npy) is read whole: ids are small.
 Windows are consecutive and do not overlap: each starts with an empty context, so position p of a window has
 context length p.
 """
@@ -33,22 +34,29 @@ def _token_file(path: Path) -> list[int]:
 
 
 def _text_pieces(path: Path) -> Iterator[str]:
+    """The file's text in consecutive pieces of 1 to TEXT_PIECE_CHARS characters (code points) that put
+    together give it back: each ends just before the last space or newline of the next TEXT_PIECE_CHARS
+    characters, or takes all of them when they have none after their first. A short piece (a space near its
+    start) is followed by one of at least TEXT_PIECE_CHARS minus its length: the work is linear in the text's
+    length, and no piece (no /tokenize request) is longer than the bound."""
+    bound = TEXT_PIECE_CHARS
     try:
         with open(path, encoding="utf-8") as f:
-            carry = ""
+            buf = ""
             while True:
-                block = f.read(TEXT_PIECE_CHARS)
-                if not block:
-                    if carry:
-                        yield carry
+                block = f.read(bound - len(buf))
+                buf += block
+                if len(buf) < bound:
+                    if block:
+                        continue
+                    if buf:  # the end of the file
+                        yield buf
                     return
-                text = carry + block
-                cut = max(text.rfind(" "), text.rfind("\n"))
+                cut = max(buf.rfind(" "), buf.rfind("\n"))
                 if cut <= 0:
-                    carry = text
-                    continue
-                yield text[:cut]
-                carry = text[cut:]
+                    cut = bound
+                yield buf[:cut]
+                buf = buf[cut:]
     except UnicodeDecodeError as e:
         raise GateError(f"--text {path}: not UTF-8 text ({e}); pass token ids with --tokens") from None
     except OSError as e:
