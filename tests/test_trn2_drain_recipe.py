@@ -24,7 +24,8 @@ def test_grace_period_covers_the_drain(model: str) -> None:
     manifests = yaml.safe_load_all((TRN2 / "k8s" / f"{model}.yaml").read_text())
     pod = next(m for m in manifests if m and m["kind"] == "Deployment")["spec"]["template"]["spec"]
     engine = next(c for c in pod["containers"] if c["name"] == "engine")
-    drain = _recipe_shutdown_timeout(model, {e["name"]: e["value"] for e in engine["env"]})
+    env = {e["name"]: e["value"] for e in engine["env"] if "value" in e}  # not the Secret's (valueFrom)
+    drain = _recipe_shutdown_timeout(model, env)
     pause = engine["lifecycle"]["preStop"]["exec"]["command"]
     assert pause[0] == "sleep" and drain > 0
     assert pod["terminationGracePeriodSeconds"] >= int(pause[1]) + drain + TEARDOWN_MARGIN_S

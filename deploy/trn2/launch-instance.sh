@@ -7,10 +7,15 @@
 #   REPLICAS=4 deploy/trn2/launch-instance.sh laplace-3b /models/laplace-3b  # fewer, e.g. to try it
 #   deploy/trn2/launch-instance.sh laplace-3b /models/laplace-3b --dry-run   # print the commands only
 #
-# Replica i listens on 127.0.0.1:$((BASE_PORT + i)) (8001, 8002, ...), the router on 0.0.0.0:$PORT
-# (8000) and its Prometheus metrics on :29000; every replica's own /metrics stays on its port.
-# Replica 0 starts first and compiles every bucket into VLLM_CACHE_ROOT; the others start
-# when it is healthy and load the compiled graphs. Logs: $LOG_DIR/replica-<i>.log, router.log.
+# Replica i listens on 127.0.0.1:$((BASE_PORT + 1 + i)) (8001, 8002, ...), the router on 0.0.0.0:$PORT (8000) and its
+# Prometheus metrics on 127.0.0.1:29000 (METRICS_HOST to publish them); every replica's own /metrics stays on its port.
+# The replicas require VLLM_API_KEY (clients send `Authorization: Bearer $VLLM_API_KEY`; the router passes it through);
+# it is read from the environment, never put on a command line. Unset, the script refuses to start
+# (ALLOW_NO_API_KEY=1 to serve without one).
+# Compiled graphs: fill-compile-cache.sh compiles every bucket once into $COMPILE_CACHE_ROOT/<key> (the key: image,
+# model, buckets; skipped when there), then every replica starts from it read-only, each with its own writable
+# VLLM_CACHE_ROOT (a temporary directory). A replica that exits while the others wait for health stops the launch at
+# once, with its last log lines. Logs: $LOG_DIR/replica-<i>.log, compile.log, router.log.
 # NOT RUN HERE (no Trainium); the same router was tried with two CPU replicas: router_cpu_trial.py.
 set -euo pipefail
 
@@ -19,6 +24,8 @@ ckpt=${2:?checkpoint directory}
 dry=0
 [[ ${3:-} == --dry-run ]] && dry=1
 here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=health.sh
+source "$here/health.sh"
 
 case $model in
 laplace-3b) cores_per=1 default_replicas=64 ;;
@@ -31,51 +38,65 @@ if ((replicas * cores_per > total_cores)); then
     echo "$replicas replicas x $cores_per cores > $total_cores cores" >&2
     exit 2
 fi
+if ((!dry)) && [[ -z ${VLLM_API_KEY:-} ]] && ((!${ALLOW_NO_API_KEY:-0})); then
+    echo "VLLM_API_KEY is not set: the replicas would answer anyone without a key." \
+        "Set it (e.g. export VLLM_API_KEY=\$(openssl rand -hex 32)), or ALLOW_NO_API_KEY=1 to serve without one." >&2
+    exit 2
+fi
 base=${BASE_PORT:-8000}
 log_dir=${LOG_DIR:-/var/log/vllm-trn}
 mkdir -p "$log_dir"
-export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-/var/cache/vllm-neuron/$model}
+export COMPILE_CACHE_ROOT=${COMPILE_CACHE_ROOT:-/var/cache/vllm-neuron}
 
 pids=()
-cleanup() { ((${#pids[@]})) && kill "${pids[@]}" 2>/dev/null || true; }
+replica_pids=()
+run_dir=RUN_DIR # each replica's writable VLLM_CACHE_ROOT goes under it (a fresh temporary directory when not dry)
+((dry)) || run_dir=$(mktemp -d "${TMPDIR:-/tmp}/vllm-trn-$model.XXXXXX")
+cleanup() {
+    if ((${#pids[@]})); then kill "${pids[@]}" 2>/dev/null || true; fi
+    if ((!dry)); then rm -rf -- "$run_dir"; fi
+}
 trap cleanup EXIT INT TERM
 
+cores_of() {
+    local first=$(($1 * cores_per)) last=$(($1 * cores_per + cores_per - 1))
+    if ((last > first)); then echo "$first-$last"; else echo "$first"; fi
+}
+
+# The compiled graphs, once, on replica 0's cores and port (free until the replicas start).
+fill_env=(NEURON_RT_VISIBLE_CORES="$(cores_of 0)" FILL_PORT=$((base + 1)) LOG_FILE="$log_dir/compile.log")
+if ((dry)); then
+    echo "${fill_env[*]} $here/fill-compile-cache.sh $model $ckpt"
+else
+    (export "${fill_env[@]}" && exec "$here/fill-compile-cache.sh" "$model" "$ckpt")
+fi
+
 start_replica() {
-    local i=$1 first=$(($1 * cores_per)) last=$(($1 * cores_per + cores_per - 1))
-    local cores=$first
-    ((last > first)) && cores=$first-$last
-    local cmd=(env NEURON_RT_VISIBLE_CORES="$cores" PORT=$((base + 1 + i)) SERVED_NAME="$model"
+    local i=$1
+    local cmd=(env NEURON_RT_VISIBLE_CORES="$(cores_of "$i")" PORT=$((base + 1 + i)) SERVED_NAME="$model"
+        REQUIRE_COMPILE_CACHE=1 VLLM_CACHE_ROOT="$run_dir/replica-$i"
         "$here/serve-replica.sh" "$model" "$ckpt" --host 127.0.0.1)
     if ((dry)); then echo "${cmd[*]}"; return; fi
     "${cmd[@]}" >"$log_dir/replica-$i.log" 2>&1 &
     pids+=($!)
+    replica_pids[i]=$!
 }
 
-wait_healthy() {
-    local url=$1
-    for _ in $(seq 3600); do
-        curl -sf "$url/health" >/dev/null && return 0
-        sleep 1
-    done
-    echo "$url did not become healthy" >&2
-    return 1
-}
-
-start_replica 0
-((dry)) || wait_healthy "http://127.0.0.1:$((base + 1))"
-urls=("http://127.0.0.1:$((base + 1))")
-for ((i = 1; i < replicas; i++)); do
+urls=()
+for ((i = 0; i < replicas; i++)); do
     start_replica "$i"
     urls+=("http://127.0.0.1:$((base + 1 + i))")
 done
-if ! ((dry)); then
-    for u in "${urls[@]:1}"; do wait_healthy "$u"; done
+if ((!dry)); then
+    for ((i = 0; i < replicas; i++)); do
+        wait_healthy "${urls[i]}" "${replica_pids[i]}" "$log_dir/replica-$i.log" || exit 1
+    done
 fi
 
 # power_of_two: of two random replicas, the one with fewer requests in flight. Prefix caching is off,
 # so cache-aware routing has nothing to exploit. Retries/circuit breaker: the router's defaults.
-router=(vllm-router --host 0.0.0.0 --port "${PORT:-$base}" --worker-urls "${urls[@]}"
-    --policy "${ROUTER_POLICY:-power_of_two}" --prometheus-host 0.0.0.0 --prometheus-port 29000
+router=(vllm-router --host "${ROUTER_HOST:-0.0.0.0}" --port "${PORT:-$base}" --worker-urls "${urls[@]}"
+    --policy "${ROUTER_POLICY:-power_of_two}" --prometheus-host "${METRICS_HOST:-127.0.0.1}" --prometheus-port 29000
     --request-timeout-secs 3600)
 if ((dry)); then echo "${router[*]}"; exit 0; fi
 "${router[@]}" >"$log_dir/router.log" 2>&1 &

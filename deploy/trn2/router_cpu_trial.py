@@ -54,7 +54,9 @@ def main() -> None:
 
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="router-cpu-trial-"))
     work.mkdir(parents=True, exist_ok=True)
-    ckpt = write_laplace_demo(work / "demo-laplace")
+    ckpt = work / "demo-laplace"
+    if not (ckpt / "config.json").is_file():  # a reused --work-dir keeps its demo (the writer refuses to overwrite)
+        write_laplace_demo(ckpt)
     started: list[LocalServer] = []
     try:
         t0 = time.time()
