@@ -82,7 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-bytes", type=int, default=512 * MiB, help="vLLM kv_cache_memory_bytes (state pool)")
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--enforce-eager", action="store_true", help="skip torch.compile (default: compiled)")
-    p.add_argument("--model-dir", type=Path, help="write the random checkpoint here (default: a temp dir)")
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        help="write the random checkpoint here, a new or empty directory (default: a temp dir)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--state-only", action="store_true", help="only part 2 (no vLLM engine)")
     p.add_argument("--out", type=Path, default=Path("bench-out/bench_laplace.json"))

@@ -3,11 +3,16 @@
 Every reader and writer of checkpoint directories in the plugin goes through this module: the packed-format
 reader and packer (`loaders/packed.py`), the offline tools (`vllm-trn convert-mla`, `vllm-trn quantize`), the
 demo checkpoints and the benchmarks. Errors name the file, and the tensor when there is one.
+
+Every writer writes inside ``with StagedCheckpoint(dst) as out:`` (a new sibling directory, renamed to `dst` whole
+at the end, removed on any failure) into a `dst` that is absent or an empty directory, and copies only the
+`SIDE_FILES` of its source: no tool overwrites a file it did not create, and no reader sees half a checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -23,13 +28,15 @@ __all__ = [
     "CONFIG_FILE",
     "INDEX_FILE",
     "SHARD_BYTES",
+    "SIDE_FILES",
     "Checkpoint",
     "CheckpointFormatError",
     "ShardWriter",
+    "StagedCheckpoint",
     "TensorEntry",
     "TensorReader",
+    "check_destination",
     "copy_side_files",
-    "prepare_destination",
     "scan_dir",
     "scan_file",
     "write_config",
@@ -38,6 +45,25 @@ __all__ = [
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_BYTES = 1 << 30  # default size of one written shard
+
+# The files besides config.json and the weights that a written checkpoint takes from its source (`copy_side_files`):
+# generation defaults, the chat template and the tokenizer in each of its Hugging Face forms (fast tokenizer, its
+# config, special and added tokens, BPE vocab + merges, WordPiece vocab, SentencePiece model). Nothing else:
+# not weights in another format (pytorch_model.bin, *.pt, *.gguf: a packed checkpoint must not carry its unquantized
+# original), not code, not a README or licence (copy those yourself when you redistribute).
+SIDE_FILES = (
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+)
 
 
 class CheckpointFormatError(ValueError):
@@ -185,7 +211,8 @@ class ShardWriter:
     as it is full, so that memory holds at most one shard.
 
     `finish` names the shards as Hugging Face does (``model.safetensors`` alone, else
-    ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``) and returns their names."""
+    ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``) and returns their names. `dst` is the
+    directory a `StagedCheckpoint` gives, which removes the unfinished shards of a failed run with it."""
 
     def __init__(self, dst: Path, max_bytes: int = SHARD_BYTES) -> None:
         self.dst, self.max_bytes = Path(dst), max_bytes
@@ -227,25 +254,97 @@ class ShardWriter:
         return names
 
 
-def prepare_destination(src: Path, dst: Path) -> None:
-    """Create `dst` for a checkpoint written from `src`; refuses `src` itself and a directory already holding a
-    checkpoint (config.json or safetensors files)."""
-    src, dst = Path(src), Path(dst)
-    if dst.exists() and dst.resolve() == src.resolve():
+def check_destination(dst: str | Path, src: str | Path | None = None) -> Path:
+    """`dst` as a Path if a checkpoint may be written there: it is absent or an empty directory, and not `src`.
+    Anything else is refused (FileExistsError naming `dst`), so that no tool replaces a file it did not create."""
+    dst = Path(dst)
+    if src is not None and dst.exists() and dst.resolve() == Path(src).resolve():
         raise ValueError(f"destination {dst} is the source directory")
-    dst.mkdir(parents=True, exist_ok=True)
-    if any(dst.glob("*.safetensors")) or (dst / CONFIG_FILE).exists():
-        raise FileExistsError(f"{dst} already holds a checkpoint")
+    if dst.is_dir() and any(dst.iterdir()):
+        raise FileExistsError(
+            f"{dst}: the destination is not empty; a checkpoint is written only into a new or empty directory "
+            "(choose another path, or remove this one first)"
+        )
+    if (dst.exists() or dst.is_symlink()) and not dst.is_dir():
+        raise FileExistsError(f"{dst}: the destination exists and is not a directory")
+    return dst
+
+
+class StagedCheckpoint:
+    """A checkpoint written out of sight and put in place whole: ``with StagedCheckpoint(dst, src) as out:`` writes
+    into `out` and, when the block ends without an exception, renames `out` to `dst` in one step.
+
+    `dst` must pass `check_destination` (absent or empty; checked here, before anything is written, and again at the
+    rename). `out` is a new sibling ``<dst>.partial-<pid>`` (same filesystem, so the rename is atomic); an exception in
+    the block (KeyboardInterrupt included) removes it. A reader of `dst` sees nothing (or the empty directory that
+    was there) until the whole checkpoint appears. Only a process killed outright leaves ``<dst>.partial-<pid>``
+    behind. Without ``with``: `open` returns `out`, then `commit` or `discard`."""
+
+    def __init__(self, dst: str | Path, src: str | Path | None = None) -> None:
+        self.dst = check_destination(dst, src)
+        self.path: Path | None = None  # the staging directory while open
+
+    def open(self) -> Path:
+        """Create and return the staging directory (and `dst`'s missing parents)."""
+        if self.path is not None:
+            raise RuntimeError(f"{self.dst}: already staged in {self.path}")
+        target = Path(os.path.abspath(self.dst))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        n = 0
+        while True:
+            path = target.with_name(f"{target.name}.partial-{os.getpid()}" + (f"-{n}" if n else ""))
+            try:
+                path.mkdir()
+                break
+            except FileExistsError:  # left by a killed process that had this pid
+                n += 1
+        self.path = path
+        return path
+
+    def commit(self) -> Path:
+        """Rename the staging directory to `dst` (still absent or empty, or nothing is renamed); returns `dst`. On
+        any failure the staging directory is removed."""
+        if self.path is None:
+            raise RuntimeError(f"{self.dst}: nothing staged to commit")
+        try:
+            check_destination(self.dst)
+            # rename(2) replaces only an absent name or an empty directory; a file or a non-empty directory that
+            # appeared since the check makes it fail.
+            self.path.rename(self.dst)
+        except BaseException:
+            self.discard()
+            raise
+        self.path = None
+        return self.dst
+
+    def discard(self) -> None:
+        """Remove the staging directory and everything in it (nothing when already committed or discarded)."""
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = None
+
+    def __enter__(self) -> Path:
+        return self.open()
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.discard()
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:
-    """Copy every non-weight file of `src` but config.json and the shard index (tokenizer, chat template,
-    generation config) into `dst`; returns their names."""
+    """Copy the `SIDE_FILES` that `src` has (tokenizer, chat template, generation config) into `dst`; returns their
+    names. An existing file in `dst` is never replaced (FileExistsError)."""
     copied = []
-    for p in sorted(Path(src).iterdir()):
-        if p.is_file() and p.suffix != ".safetensors" and p.name not in (CONFIG_FILE, INDEX_FILE):
-            shutil.copy2(p, Path(dst) / p.name)
-            copied.append(p.name)
+    for name in SIDE_FILES:
+        p, target = Path(src) / name, Path(dst) / name
+        if not p.is_file():
+            continue
+        with open(p, "rb") as r, open(target, "xb") as w:  # "x": refuse to replace a file
+            shutil.copyfileobj(r, w)
+        shutil.copystat(p, target)
+        copied.append(name)
     return copied
 
 

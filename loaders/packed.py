@@ -30,10 +30,10 @@ from vllm_trn_plugin.loaders.io import (
     Checkpoint,
     CheckpointFormatError,
     ShardWriter,
+    StagedCheckpoint,
     TensorEntry,
     TensorReader,
     copy_side_files,
-    prepare_destination,
     scan_dir,
     write_config,
 )
@@ -401,8 +401,9 @@ def pack(
     Each gets ``weight_packed``/``weight_scale`` and a zero bf16 ``bias`` (round-to-nearest uses no
     calibration data, so there is no bias correction to store; a bias already in the source is kept
     instead). ``lm_head.weight`` becomes per-row FP8 (``quantize_fp8_rows``) unless ``lm_head`` is
-    False. Everything else is copied unchanged; config.json gains ``quantization_config``; other
-    non-weight files (tokenizer, generation config) are copied. Output shards hold at most about
+    False. Everything else is copied unchanged; config.json gains ``quantization_config``; the tokenizer and
+    generation config (``io.SIDE_FILES``) are copied, nothing else. ``dst`` must be absent or an empty directory;
+    the checkpoint appears there whole or not at all (``io.StagedCheckpoint``). Output shards hold at most about
     ``shard_bytes`` each (plus ``model.safetensors.index.json`` when there are several); memory
     peaks at about one shard plus one source tensor.
     """
@@ -416,36 +417,36 @@ def pack(
             )
         if not any(select(n.removesuffix(".weight")) for n in ckpt.entries if n.endswith(".weight")):
             raise ValueError(f"pack: no tensor of {src} matched the matrix selection")
-        prepare_destination(src, dst)
-        writer = ShardWriter(dst, shard_bytes)
-        for name in ckpt.entries:
-            t = ckpt.get(name)
-            module = name.removesuffix(".weight") if name.endswith(".weight") else None
-            if module is not None and select(module):
-                if t.dim() != 2 or t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-                    raise CheckpointFormatError(
-                        f"{ckpt.where(name)}: selected for MXFP4 but is {t.dtype} {tuple(t.shape)}, "
-                        "not a bf16/fp16/fp32 matrix"
-                    )
-                try:
-                    packed, scales = quantize_rtn(t, name=name)
-                except ValueError as e:
-                    raise CheckpointFormatError(f"{ckpt.where(name)}: {e}") from e
-                kept = module + ".bias" in ckpt.entries  # written when its turn comes
-                write_mxfp4(writer, module, packed, scales, None if kept else torch.zeros(t.shape[0]))
-                report.quantized.append(module)
-            elif lm_head and name == LM_HEAD + ".weight":
-                write_fp8_lm_head(writer, t, ckpt.where(name))
-                report.fp8.append(LM_HEAD)
-            else:
-                writer.add(name, t)
-                report.copied.append(name)
-            del t
-        report.shards = writer.finish()
-    report.bytes_written = writer.total
-    report.quantization_config = quantization_config(
-        [target] if target is not None else sorted(report.quantized), fp8_lm_head=bool(report.fp8)
-    )
-    write_config(dst, {**ckpt.config, "quantization_config": report.quantization_config})
-    report.files = copy_side_files(src, dst)
+        with StagedCheckpoint(dst, src) as out:  # dst absent or empty; written whole or not at all
+            writer = ShardWriter(out, shard_bytes)
+            for name in ckpt.entries:
+                t = ckpt.get(name)
+                module = name.removesuffix(".weight") if name.endswith(".weight") else None
+                if module is not None and select(module):
+                    if t.dim() != 2 or t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                        raise CheckpointFormatError(
+                            f"{ckpt.where(name)}: selected for MXFP4 but is {t.dtype} {tuple(t.shape)}, "
+                            "not a bf16/fp16/fp32 matrix"
+                        )
+                    try:
+                        packed, scales = quantize_rtn(t, name=name)
+                    except ValueError as e:
+                        raise CheckpointFormatError(f"{ckpt.where(name)}: {e}") from e
+                    kept = module + ".bias" in ckpt.entries  # written when its turn comes
+                    write_mxfp4(writer, module, packed, scales, None if kept else torch.zeros(t.shape[0]))
+                    report.quantized.append(module)
+                elif lm_head and name == LM_HEAD + ".weight":
+                    write_fp8_lm_head(writer, t, ckpt.where(name))
+                    report.fp8.append(LM_HEAD)
+                else:
+                    writer.add(name, t)
+                    report.copied.append(name)
+                del t
+            report.shards = writer.finish()
+            report.bytes_written = writer.total
+            report.quantization_config = quantization_config(
+                [target] if target is not None else sorted(report.quantized), fp8_lm_head=bool(report.fp8)
+            )
+            write_config(out, {**ckpt.config, "quantization_config": report.quantization_config})
+            report.files = copy_side_files(src, out)
     return report

@@ -1,4 +1,5 @@
-"""A bad checkpoint fails the load with an error naming the tensor, never a silent wrong model.
+"""A bad checkpoint fails the load with an error naming the tensor, never a silent wrong model; a checkpoint tool
+never overwrites what it did not create and leaves nothing behind when it fails.
 
 The model is built and loaded by vLLM's own default loader in a child process, so the
 pytest process never initialises vLLM's distributed state.
@@ -6,9 +7,11 @@ pytest process never initialises vLLM's distributed state.
 
 from __future__ import annotations
 
+import re
 from functools import partial
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -113,3 +116,133 @@ def test_bad_tensors_are_named(tmp_path) -> None:
     for ckpt, parts in packed_cases.items():
         for part in parts:
             assert part in results[ckpt], f"{ckpt}: error does not name {part!r}: {results[ckpt]}"
+
+
+# ---- No tool overwrites what it did not create; a failed write leaves nothing behind ------------------------------
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    """Every file under `d` (hidden ones included) by relative path, with its bytes."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _small_laplace(d: Path) -> Path:
+    return write_laplace_demo(d, dtype=torch.float32, num_hidden_layers=1)
+
+
+def test_demo_refuses_a_non_empty_destination(tmp_path: Path) -> None:
+    from vllm_trn_plugin.cli import main
+
+    ckpt = _small_laplace(tmp_path / "ckpt")
+    (ckpt / "README.md").write_text("my notes\n")
+    before = _files(ckpt)
+    with pytest.raises(SystemExit, match=f"vllm-trn demo: .*{re.escape(str(ckpt))}"):
+        main(["demo", "laplace", str(ckpt), "--seed", "1"])  # `vllm-trn demo laplace DIR`: a message, no traceback
+    assert _files(ckpt) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no partial sibling either
+
+    other = tmp_path / "other"  # anything at all in the directory makes it someone else's
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    with pytest.raises(FileExistsError, match=re.escape(str(other))):
+        _small_laplace(other)
+    assert _files(other) == {"notes.txt": b"x"}
+
+    empty = tmp_path / "empty"  # an empty directory (make serve's DEMO made by hand) is fine
+    empty.mkdir()
+    assert (_small_laplace(empty) / "config.json").is_file()
+
+
+def test_pack_refuses_a_non_empty_destination(tmp_path: Path) -> None:
+    src = _small_laplace(tmp_path / "src")
+    (src / "README.md").write_text("the source's readme\n")
+    project = tmp_path / "project"  # `vllm-trn pack SRC .` inside a project
+    project.mkdir()
+    (project / "README.md").write_text("the project's readme\n")
+    (project / "LICENSE").write_text("the project's licence\n")
+    before = _files(project)
+    with pytest.raises(FileExistsError, match=re.escape(str(project))):
+        pack(src, project)
+    assert _files(project) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["project", "src"]
+
+
+def test_pack_copies_only_the_checkpoint_side_files(tmp_path: Path) -> None:
+    src = _small_laplace(tmp_path / "src")
+    (src / "generation_config.json").write_text('{"max_new_tokens": 8}\n')
+    strays = ["pytorch_model.bin", "consolidated.00.pt", "model.gguf", "README.md", "LICENSE", "modeling_x.py"]
+    for name in strays:
+        (src / name).write_bytes(b"unquantized weights or someone's file")
+    report = pack(src, tmp_path / "dst")
+    side = ["chat_template.jinja", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert report.files == side
+    assert sorted(_files(tmp_path / "dst")) == sorted([*side, "config.json", "model.safetensors"])
+    for name in side:
+        assert (tmp_path / "dst" / name).read_bytes() == (src / name).read_bytes()
+
+
+def test_failed_pack_leaves_nothing(tmp_path: Path) -> None:
+    # A NaN in the last matrix pack quantizes, found after several shards are on disk.
+    src = write_laplace_demo(tmp_path / "src", dtype=torch.float32, num_hidden_layers=3)
+    t = load_file(str(src / "model.safetensors"))
+    t["model.layers.2.mlp.down_proj.weight"][5, 7] = float("nan")
+    save_file(t, str(src / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.layers.2.mlp.down_proj.weight"):
+        pack(src, tmp_path / "packed", shard_bytes=100_000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no DST, no partial sibling, no shard file
+
+
+def test_interrupted_demo_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm_trn_plugin.demo as demo
+    from vllm_trn_plugin.loaders.io import Checkpoint
+
+    # Ctrl-C after the weights and config.json are written, while the tokenizer is.
+    real = demo.write_byte_tokenizer
+
+    def interrupted(out: Path) -> None:
+        real(out)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "write_byte_tokenizer", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _small_laplace(tmp_path / "demo")
+    assert not any(tmp_path.iterdir())
+
+    # An interrupted write into an existing empty directory leaves it as it was: empty.
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        _small_laplace(tmp_path / "empty")
+    assert [p.name for p in tmp_path.iterdir()] == ["empty"] and not any((tmp_path / "empty").iterdir())
+
+    monkeypatch.setattr(demo, "write_byte_tokenizer", real)
+    with Checkpoint(_small_laplace(tmp_path / "empty")) as ckpt:  # and the same call then succeeds
+        assert ckpt.entries
+
+
+def test_interrupted_convert_mla_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm_trn_plugin.tools.convert_mla as tool
+    from vllm_trn_plugin.demo import write_afmoe_demo
+
+    src = write_afmoe_demo(tmp_path / "src", seed=2, dtype=torch.float32)
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    # Ctrl-C in the full-attention layer's fit, after the embedding and earlier layers are in shards on disk.
+    monkeypatch.setattr(tool, "fit_latent", interrupted)
+    calib = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(KeyboardInterrupt):
+        tool.convert_mla(src, tmp_path / "mla", latent=64, calib=calib, shard_bytes=100_000, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_destination_filled_during_the_write_is_not_replaced(tmp_path: Path) -> None:
+    from vllm_trn_plugin.loaders.io import StagedCheckpoint
+
+    dst = tmp_path / "dst"
+    with pytest.raises(FileExistsError, match=re.escape(str(dst))):
+        with StagedCheckpoint(dst) as out:
+            (out / "config.json").write_text("{}")
+            dst.mkdir()  # someone else's file appears at the destination meanwhile
+            (dst / "theirs.txt").write_text("x")
+    assert _files(dst) == {"theirs.txt": b"x"} and [p.name for p in tmp_path.iterdir()] == ["dst"]

@@ -88,3 +88,37 @@ def test_served_processes_run_tcmalloc(servers) -> None:  # noqa: ANN001
     assert len(procs) >= 3, names
     missing = {pid: names[pid] for pid in names if "libtcmalloc" not in Path(f"/proc/{pid}/maps").read_text()}
     assert not missing, missing
+
+
+@pytest.mark.parametrize(
+    "given,yaml_text,expect",
+    [
+        ([], None, {"kv_cache_memory_bytes": cli.CPU_DEFAULT_CACHE_BYTES}),  # not sized: the fixed budget
+        ([], "kv_cache_memory_bytes: 123456789\nport: 9001\n", {"kv_cache_memory_bytes": 123456789}),
+        ([], "kv-cache-memory-bytes: 2G\n", {"kv_cache_memory_bytes": 2 << 30}),
+        ([], "gpu-memory-utilization: 0.3\n", {"kv_cache_memory_bytes": None, "gpu_memory_utilization": 0.3}),
+        (["--kv_cache_memory_bytes=5000000"], None, {"kv_cache_memory_bytes": 5000000}),
+        (["--gpu-memory-utilization", "0.4"], None, {"kv_cache_memory_bytes": None, "gpu_memory_utilization": 0.4}),
+        (["--kv-cache-memory-bytes", "7000000"], "kv_cache_memory_bytes: 9\n", {"kv_cache_memory_bytes": 7000000}),
+    ],
+)
+def test_serve_keeps_the_users_cache_budget(
+    given: list[str], yaml_text: str | None, expect: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`vllm-trn serve` adds its CPU cache budget only when the user sized the cache in no way vLLM takes: the
+    command line (either spelling), a `--config` YAML file, VLLM_CPU_KVCACHE_SPACE. Checked on what vLLM's own serve
+    parser makes of the command line `vllm serve` receives (vLLM ranks the command line over the config file, so an
+    added flag would silently override the file's budget)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli.ensure_vllm_version_lookup()
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    argv = ["ckpt", *given]
+    if yaml_text is not None:
+        (tmp_path / "serve.yaml").write_text(yaml_text)
+        argv += ["--config", str(tmp_path / "serve.yaml")]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(cli.serve_argv(argv))
+    assert {k: getattr(args, k) for k in expect} == expect
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's CPU platform sizes the cache from it over any option
+    assert cli.serve_argv(["ckpt"]) == ["ckpt"]

@@ -77,21 +77,59 @@ def run_vllm(argv: list[str]) -> None:
 
 
 CPU_DEFAULT_CACHE_BYTES = 1 << 30
-_CACHE_SIZE_FLAGS = ("--gpu-memory-utilization", "--kv-cache-memory-bytes", "--kv-cache-memory")
+# The engine options that size the cache; VLLM_CPU_KVCACHE_SPACE (GiB) sizes it too and overrides both on CPU.
+CACHE_SIZE_OPTIONS = ("kv_cache_memory_bytes", "gpu_memory_utilization")
+
+
+def cache_budget_given(argv: list[str]) -> bool:
+    """Whether `vllm serve ARGV` sizes the cache itself, in any way vLLM takes it: an option on the command line
+    (dashes or underscores, `--opt=value`), the same option in a `--config` YAML file, or VLLM_CPU_KVCACHE_SPACE.
+    Decided by vLLM's own serve parser, so its spellings and its config-file handling are the ones that count. A
+    command line that parser refuses counts as not sized: vLLM then reports the error itself."""
+    if "VLLM_CPU_KVCACHE_SPACE" in os.environ:
+        return True
+    if any(a in ("-h", "--help") or a.startswith("--help=") for a in argv):
+        return False
+    ensure_vllm_version_lookup()
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class Refused(Exception):
+        pass
+
+    class Parser(FlexibleArgumentParser):
+        def error(self, message: str):  # noqa: ANN201 (argparse's NoReturn)
+            raise Refused(message)
+
+        def exit(self, status: int = 0, message: str | None = None):  # noqa: ANN201
+            raise Refused(message or "")
+
+    parser = make_arg_parser(Parser(prog="vllm serve"))
+    unset = object()
+    parser.set_defaults(**dict.fromkeys(CACHE_SIZE_OPTIONS, unset))
+    try:
+        args = parser.parse_args(argv)
+    except (Refused, ValueError, OSError):
+        return False
+    return any(getattr(args, opt, unset) is not unset for opt in CACHE_SIZE_OPTIONS)
+
+
+def serve_argv(argv: list[str]) -> list[str]:
+    """What `vllm-trn serve ARGV` passes to `vllm serve`: ARGV, on CPU with a fixed cache budget unless sized."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and not cache_budget_given(argv):
+        # On CPU vLLM reserves 92% of the NUMA node by default and refuses to start when anything
+        # else uses memory; a fixed cache budget starts everywhere.
+        return [*argv, "--kv-cache-memory-bytes", str(CPU_DEFAULT_CACHE_BYTES)]
+    return argv
 
 
 def serve(argv: list[str]) -> None:
     """`vllm serve` with these arguments and tcmalloc preloaded; on CPU with a fixed cache budget unless sized."""
     preload_tcmalloc(["serve", *argv])
     ensure_vllm_version_lookup()
-    from vllm.platforms import current_platform
-
-    sized = any(a.split("=")[0] in _CACHE_SIZE_FLAGS for a in argv) or "VLLM_CPU_KVCACHE_SPACE" in os.environ
-    if current_platform.is_cpu() and not sized:
-        # On CPU vLLM reserves 92% of the NUMA node by default and refuses to start when anything
-        # else uses memory; a fixed cache budget starts everywhere.
-        argv = [*argv, "--kv-cache-memory-bytes", str(CPU_DEFAULT_CACHE_BYTES)]
-    run_vllm(["serve", *argv])
+    run_vllm(["serve", *serve_argv(argv)])
 
 
 def demo(args: argparse.Namespace) -> None:
@@ -183,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="write a small random checkpoint with an offline tokenizer")
     d.add_argument("model", choices=["laplace", "mla-trinity", "afmoe"])
-    d.add_argument("dir")
+    d.add_argument("dir", help="a new or empty directory: a non-empty one is refused, never overwritten")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     k = sub.add_parser(
@@ -223,7 +261,10 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("gate", help="pass or fail a candidate against a reference (vllm-trn gate --help)", add_help=False)
     sub.add_parser("vllm", help="vLLM's own command line, e.g. vllm-trn vllm bench serve --help", add_help=False)
     args = p.parse_args(argv)
-    {"demo": demo, "pack": pack, "convert-mla": convert_mla, "quantize": quantize}[args.cmd](args)
+    try:
+        {"demo": demo, "pack": pack, "convert-mla": convert_mla, "quantize": quantize}[args.cmd](args)
+    except FileExistsError as e:  # a destination the tool did not create: refused before anything is written
+        raise SystemExit(f"vllm-trn {args.cmd}: {e}") from None
 
 
 if __name__ == "__main__":

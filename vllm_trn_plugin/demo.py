@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from vllm_trn_plugin.configs import LaplaceConfig
-from vllm_trn_plugin.loaders.io import ShardWriter, write_config
+from vllm_trn_plugin.loaders.io import ShardWriter, StagedCheckpoint, write_config
 
 # ChatML. With `tools`, a system turn lists their signatures and asks for calls as `<tool_call>{"name": ...,
 # "arguments": {...}}</tool_call>` (the Hermes format, read by vLLM's `hermes` tool parser); an assistant turn's
@@ -125,22 +125,23 @@ def _write_demo(
     out_dir: str | Path, config: Any, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
 ) -> Path:
     """config.json (the byte tokenizer's special ids), the tensors in `dtype` (streamed into shards of at most
-    1 GiB) and the tokenizer."""
+    1 GiB) and the tokenizer, into `out_dir`, which must be absent or empty (written whole or not at all:
+    `StagedCheckpoint`)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if config.vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size={config.vocab_size}: the byte tokenizer needs at least 259")
     config.eos_token_id = 256 + SPECIAL_TOKENS.index("<|im_end|>")
     config.pad_token_id = 256 + SPECIAL_TOKENS.index("<|endoftext|>")
-    writer = ShardWriter(out)
-    for name, t in tensors:
-        writer.add(name, t.to(dtype))
-    writer.finish()
-    cfg = config.to_dict()
-    cfg.pop("torch_dtype", None)
-    cfg["dtype"] = str(dtype).removeprefix("torch.")
-    write_config(out, cfg)
-    write_byte_tokenizer(out)
+    with StagedCheckpoint(out) as staged:
+        writer = ShardWriter(staged)
+        for name, t in tensors:
+            writer.add(name, t.to(dtype))
+        writer.finish()
+        cfg = config.to_dict()
+        cfg.pop("torch_dtype", None)
+        cfg["dtype"] = str(dtype).removeprefix("torch.")
+        write_config(staged, cfg)
+        write_byte_tokenizer(staged)
     return out
 
 

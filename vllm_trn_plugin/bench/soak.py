@@ -65,13 +65,26 @@ import aiohttp
 import psutil
 import requests
 
-from vllm_trn_plugin.bench.client import DONE, Target, build_payload, sse_messages, stream_error
+from vllm_trn_plugin.bench.client import (
+    COUNT,
+    DONE,
+    BadResponse,
+    Target,
+    build_payload,
+    choices,
+    expect,
+    json_field,
+    model_id,
+    sse_messages,
+    stream_error,
+)
 from vllm_trn_plugin.bench.local import serve_new_demo
 from vllm_trn_plugin.bench.malformed import Case, malformed_cases, run_sweep
 from vllm_trn_plugin.bench.metrics import Metrics, scrape
 from vllm_trn_plugin.bench.runner import make_session
 from vllm_trn_plugin.bench.ties import TIE_MARGIN_BY_DTYPE, Agreement, compare_greedy
 from vllm_trn_plugin.bench.workload import LengthDist, RequestSpec, random_requests
+from vllm_trn_plugin.cli import cache_budget_given
 from vllm_trn_plugin.envs import NO_TCMALLOC
 
 MODELS = ("laplace", "mla-trinity")
@@ -130,10 +143,28 @@ class Stream:
         return not self.error and self.done and not self.disconnected
 
 
-def _token_id(tok: str) -> int:
-    if not tok.startswith("token_id:"):
-        raise ValueError(f"expected 'token_id:N' (return_tokens_as_token_ids), got {tok!r}")
-    return int(tok[len("token_id:") :])
+def _token_id(tok: Any, path: str) -> int:
+    tok = expect(tok, "string", path, null_ok=False)
+    digits = tok[len("token_id:") :] if tok.startswith("token_id:") else ""
+    if not (digits.isascii() and digits.isdigit()):
+        raise BadResponse(f"{path} is {tok[:60]!r}, expected 'token_id:N' (return_tokens_as_token_ids)")
+    return int(digits)
+
+
+def _logprobs(choice: dict[str, Any], path: str) -> tuple[list[int], list[dict[int, float]]]:
+    """A chunk's token ids and, per position, its top logprobs (token id -> logprob); BadResponse when the
+    `logprobs` object is not {"tokens": ["token_id:N", ...], "top_logprobs": [{"token_id:N": number, ...}, ...]}."""
+    lp = json_field(choice, "logprobs", "object", path) or {}
+    path += "logprobs."
+    tokens = [_token_id(t, f"{path}tokens[{j}]") for j, t in enumerate(json_field(lp, "tokens", "array", path) or [])]
+    top = []
+    for j, d in enumerate(json_field(lp, "top_logprobs", "array", path) or []):
+        where = f"{path}top_logprobs[{j}]"
+        d = expect(d, "object", where) or {}
+        top.append(
+            {_token_id(k, f"{where} key"): expect(v, "number", f"{where}[{k!r}]", null_ok=False) for k, v in d.items()}
+        )
+    return tokens, top
 
 
 async def stream_tokens(
@@ -168,19 +199,21 @@ async def stream_tokens(
                 if stream_error(msg) is not None:
                     s.error = f"stream error: {json.dumps(msg)[:300]}"
                     return s
-                for choice in msg.get("choices") or []:
-                    lp = choice.get("logprobs") or {}
-                    s.tokens += [_token_id(t) for t in lp.get("tokens") or []]
-                    s.top += [{_token_id(k): v for k, v in (d or {}).items()} for d in lp.get("top_logprobs") or []]
-                    if choice.get("finish_reason"):
-                        s.finish_reason = choice["finish_reason"]
-                if msg.get("usage"):
-                    s.usage_tokens = int(msg["usage"].get("completion_tokens") or 0)
+                for path, choice in choices(msg):
+                    tokens, top = _logprobs(choice, path)
+                    s.tokens += tokens
+                    s.top += top
+                    if finish := json_field(choice, "finish_reason", "string", path):
+                        s.finish_reason = finish
+                if usage := json_field(msg, "usage", "object"):
+                    s.usage_tokens = json_field(usage, "completion_tokens", COUNT, "usage.") or 0
                 if disconnect_after is not None and len(s.tokens) >= disconnect_after and not s.finish_reason:
                     resp.close()
                     s.disconnected = True
                     return s
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, ValueError) as e:
+    except BadResponse as e:
+        s.error = f"bad response: {e}"
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         s.error = f"{type(e).__name__}: {e}"
     finally:
         s.t_end = time.perf_counter()
@@ -392,8 +425,8 @@ async def run_wave(
                 now["in_server"] = now["running"] + now["waiting"]
                 for key, v in now.items():
                     peak[key] = max(peak[key], v)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                pass  # unreachable, or no Prometheus text: this poll sees nothing, the wave goes on
             try:
                 await asyncio.wait_for(stop.wait(), poll_s)
             except asyncio.TimeoutError:
@@ -723,9 +756,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _first_model(base_url: str) -> str:
-    r = requests.get(base_url.rstrip("/") + "/v1/models", timeout=30)
+    url = base_url.rstrip("/") + "/v1/models"
+    r = requests.get(url, timeout=30)
     r.raise_for_status()
-    return r.json()["data"][0]["id"]
+    return model_id(url, r.text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -751,7 +785,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in a.models.split(","):
             t0 = time.time()
             extra = ["--max-model-len", str(MAX_MODEL_LEN), *a.serve_args.split()]
-            if "--kv-cache-memory-bytes" not in a.serve_args:
+            # the soak's pool, unless the user sized the cache (asked of vLLM's parser only when given options)
+            if not a.serve_args.strip() or not cache_budget_given(["model", *a.serve_args.split()]):
                 extra += ["--kv-cache-memory-bytes", str(POOL_BYTES[name])]
             env = ALLOCATORS[a.malloc]
             with serve_new_demo(name, Path(a.work), a.dtype, extra=extra, env=env) as server:

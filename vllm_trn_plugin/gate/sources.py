@@ -249,15 +249,15 @@ def _read_config(d: Path, label: str) -> dict[str, Any]:
 def densify_mla(src: Path, dst: Path) -> Path:
     """An MLA-Trinity checkpoint as the dense AFMoE transformers loads: on latent layers k_proj / v_proj =
     split(kv_b_proj @ kv_a_proj) (float64 product), which is what the latent attention computes; every other tensor
-    copied; written shard by shard."""
+    copied; written shard by shard into `dst` (absent or empty)."""
     import torch
 
-    from vllm_trn_plugin.loaders.io import Checkpoint, ShardWriter, copy_side_files, write_config
+    from vllm_trn_plugin.loaders.io import Checkpoint, ShardWriter, StagedCheckpoint, copy_side_files, write_config
 
-    with Checkpoint(src) as ckpt:
+    with Checkpoint(src) as ckpt, StagedCheckpoint(dst, src) as out:
         cfg = dict(ckpt.config)
         kv = cfg["num_key_value_heads"] * (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-        writer = ShardWriter(dst)
+        writer = ShardWriter(out)
         for name in ckpt.entries:
             if name.endswith("kv_b_proj.weight"):
                 continue
@@ -270,12 +270,12 @@ def densify_mla(src: Path, dst: Path) -> Path:
             else:
                 writer.add(name, ckpt.get(name))
         writer.finish()
-        copy_side_files(src, dst)
-    del cfg["kv_lora_rank"]
-    cfg["architectures"] = ["AfmoeForCausalLM"]
-    write_config(dst, cfg)
+        copy_side_files(src, out)
+        del cfg["kv_lora_rank"]
+        cfg["architectures"] = ["AfmoeForCausalLM"]
+        write_config(out, cfg)
     _ = torch  # the checkpoint reader hands out torch tensors
-    return dst
+    return Path(dst)
 
 
 class TransformersSource(Source):

@@ -35,8 +35,8 @@ from vllm_trn_plugin.loaders.io import (
     SHARD_BYTES,
     Checkpoint,
     ShardWriter,
+    StagedCheckpoint,
     copy_side_files,
-    prepare_destination,
     write_config,
 )
 from vllm_trn_plugin.tools.calibration import load_calibration
@@ -199,9 +199,11 @@ class ToolReport:
 class ToolRun:
     """One run of checkpoint tool `desc` from `src` to `dst` (a context manager): opens the source lazily, reads its
     geometry, runs `check(ckpt, geo)`, loads the calibration tokens (`calib`, `calib_tokens`, `seq_len`: see
-    `load_calibration`) and prepares the destination, in that order, so that every refusal comes before anything
-    is written. `layers` walks the decoder layers measuring each (and shows progress when `progress`); `finish`
-    writes the last shard (shards of `shard_bytes`), config.json and the side files (tokenizer etc.)."""
+    `load_calibration`) and stages the destination (`StagedCheckpoint`: `dst` absent or empty), in that order, so that
+    every refusal comes before anything is written. `writer` writes into the staging directory `out`. `layers` walks the
+    decoder layers measuring each (and shows progress when `progress`); `finish` writes the last shard (shards of
+    `shard_bytes`), config.json and the side files (tokenizer etc.) and puts the checkpoint in place at `dst`. Leaving
+    the context without `finish` (an exception, Ctrl-C) removes the staging directory: `dst` is never half written."""
 
     def __init__(
         self,
@@ -220,18 +222,23 @@ class ToolRun:
         self.t0 = time.perf_counter()
         self.src, self.dst = Path(src), Path(dst)
         self.ckpt = Checkpoint(self.src)
+        staged: StagedCheckpoint | None = None
         try:
             self.geo = Geometry.from_config(self.ckpt.config, str(self.ckpt.config_path))
             check(self.ckpt, self.geo)
             self.tokens = load_calibration(
                 calib, tokenizer_dir=self.src, num_tokens=calib_tokens, seq_len=seq_len, vocab_size=self.geo.vocab
             )
-            prepare_destination(self.src, self.dst)
+            staged = StagedCheckpoint(self.dst, self.src)
+            self.out = staged.open()  # where this run writes until `finish` renames it to `dst`
+            self.writer = ShardWriter(self.out, shard_bytes)
+            self.bar = tqdm(total=self.geo.num_layers, desc=desc, unit="layer", disable=not progress)
         except BaseException:
+            if staged is not None:
+                staged.discard()
             self.ckpt.close()
             raise
-        self.writer = ShardWriter(self.dst, shard_bytes)
-        self.bar = tqdm(total=self.geo.num_layers, desc=desc, unit="layer", disable=not progress)
+        self.staged = staged
 
     def hidden_states(self) -> torch.Tensor:
         """The calibration hidden states at the first layer's input [sequences, length, hidden], float32."""
@@ -247,14 +254,16 @@ class ToolRun:
 
     def finish(self, report: ToolReport, config: dict[str, Any]) -> None:
         report.shards = self.writer.finish()
-        write_config(self.dst, config)
-        copy_side_files(self.src, self.dst)
+        write_config(self.out, config)
+        copy_side_files(self.src, self.out)
+        self.staged.commit()
         report.seconds = time.perf_counter() - self.t0
 
     def __enter__(self) -> ToolRun:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.staged.discard()  # nothing once `finish` has committed
         self.bar.close()
         self.ckpt.close()
 
