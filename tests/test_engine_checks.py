@@ -35,9 +35,20 @@ CONNECTOR = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
 
 @pytest.mark.parametrize("model", ["laplace", "trinity"])
 def test_stateful_ops_are_splitting_ops(model: str, laplace_ckpt: Path, trinity_ckpt: Path) -> None:
+    """Every op that reads or writes per-sequence state outside its inputs is a graph split point, so a piecewise
+    graph never replays it with stale metadata. The names are written out here, not read from the plugin's list,
+    and each must be an op torch knows (a renamed op would otherwise leave a stale name in both places)."""
+    import vllm_trn_plugin.model_executors.laplace  # noqa: F401  (registers the vllm:: ops)
+    import vllm_trn_plugin.model_executors.trinity_mla  # noqa: F401
+
+    stateful = ("vllm::trn_laplace_mixer", "vllm::trn_latent_attention", "trn::fp8_experts")
+    for op in stateful:
+        ns, name = op.split("::")
+        assert hasattr(getattr(torch.ops, ns), name), op
+    assert set(STATEFUL_OPS) == set(stateful)
     cfg = _config(laplace_ckpt if model == "laplace" else trinity_ckpt)
     ops = cfg.compilation_config.splitting_ops
-    assert all(op in ops for op in STATEFUL_OPS), ops
+    assert all(op in ops for op in stateful), ops
     assert "vllm::unified_attention_with_output" in ops  # vLLM's own stay
 
 
@@ -208,10 +219,14 @@ def test_cpu_workers_get_a_binding_unless_the_user_gave_one(
     assert os.environ[THREADS_BIND] == f"{cpus[0]}|{cpus[-1]}"
     monkeypatch.delenv(THREADS_BIND)
 
-    more = 1 << len(cpus).bit_length()  # more workers than cores, a power of two (it must divide the 32 heads)
-    if more <= 32:
-        with pytest.raises(ValueError, match=f"{more} CPU workers .* need a core each"):
-            _config(trinity_ckpt, tensor_parallel_size=more)
+    # More workers than the process may use, on any host: this process held to one core for the check.
+    try:
+        os.sched_setaffinity(0, cpus[:1])
+        with pytest.raises(ValueError, match="2 CPU workers .* need a core each, and this process may use 1"):
+            _config(trinity_ckpt, tensor_parallel_size=2)
+    finally:
+        os.sched_setaffinity(0, cpus)
+    assert THREADS_BIND not in os.environ  # the refused config bound nothing
 
 
 def test_parallel_layouts_a_model_lacks_refused_at_start(

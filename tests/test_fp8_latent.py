@@ -8,6 +8,7 @@ format must reproduce it up to float32 noise, while the unrounded model is measu
 
 from __future__ import annotations
 
+import functools
 import gc
 from typing import Any
 
@@ -25,9 +26,10 @@ STEPS = 16
 FP8_LATENT = {"latent_cache_dtype": "fp8"}
 # test_fp8_latent_cost_over_1100_positions: next-token agreement, |mean NLL difference| (nats), mean logit cosine.
 # Measured on its model and text: 0.9945, +3.6e-4, 0.99984 against the bf16 latent (the same against a float32 one).
-# A cache that dequantized with a wrong scale (codes x 0.01 instead of x d_i, within 2x of the right value there)
-# measured 0.981, +2.4e-3, 0.99966 against the float32 latent: each bound fails it.
+# The same test serves the text again from a cache that dequantizes with a wrong scale (codes x WRONG_SCALE instead of
+# x d_i, within 2x of the right value there) and asserts that each bound fails it: measured 0.9809, +2.4e-3, 0.99966.
 BOUNDS = (0.99, 1e-3, 0.9997)
+WRONG_SCALE = 0.01
 
 
 def test_fp8_latent_rounding_holds_every_finite_latent() -> None:
@@ -208,13 +210,28 @@ def test_prefix_cache_hit_reads_the_stored_fp8_latents(fp8_llm: Any) -> None:
         assert all(a[t].logprob == b[t].logprob for t in a), "a prefix-cache hit read different latents"
 
 
+def wrong_dequantization_scale(model: torch.nn.Module, undo: bool = False) -> None:
+    """Run in the worker (LLM.apply_model): every latent layer reads its FP8 rows as codes x WRONG_SCALE instead of
+    codes x their own scale d_i (prefill, and the key scales computed at write), or, with `undo`, as it should."""
+    from vllm_trn_plugin.model_executors.latent_attention import TrinityLatentAttention as A
+
+    if undo:
+        A.latent_values = A.__dict__["right_latent_values"]
+        del A.right_latent_values
+    else:
+        A.right_latent_values = A.__dict__["latent_values"]
+        A.latent_values = staticmethod(lambda rows, d: rows if d is None else rows.float() * WRONG_SCALE)
+
+
 @pytest.mark.vllm
 def test_fp8_latent_cost_over_1100_positions(pair: tuple[Any, Any], fp8_llm: Any) -> None:
     """What the format costs against a bf16 latent, teacher-forced over a 1100-token text: the served FP8 latent's
     prompt logprobs vs transformers in float64 on the same checkpoint with its latents stored in bf16 (what the
     model serves without the option). Next-token agreement at every position whose reference top-2 margin is not a
     tie, the mean NLL difference and the mean logit cosine, each bounded about 2x outside what the format costs on
-    this model (deterministic: fixed weights and text)."""
+    this model (deterministic: fixed weights and text). And the bounds are tight enough to matter: the same text
+    served again by the same engine, its cache dequantizing with a wrong scale (codes x WRONG_SCALE, within 2x of
+    the right d_i), fails each of them."""
     from vllm import SamplingParams
 
     from vllm_trn_plugin.bench.ties import TIE_MARGIN
@@ -223,25 +240,45 @@ def test_fp8_latent_cost_over_1100_positions(pair: tuple[Any, Any], fp8_llm: Any
     llm, _ = fp8_llm
     text = random_prompts(1, [1100], seed=29)[0]
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=VOCAB)
-    (out,) = llm.generate(token_prompts([text]), params, use_tqdm=False)
-    served = torch.tensor(
-        [[pos[t].logprob for t in range(VOCAB)] for pos in out.prompt_logprobs[1:]], dtype=torch.float64
-    )  # raw logits predicting tokens 1..
+
+    def served_logits() -> torch.Tensor:  # raw logits predicting tokens 1..
+        (out,) = llm.generate(token_prompts([text]), params, use_tqdm=False)
+        return torch.tensor(
+            [[pos[t].logprob for t in range(VOCAB)] for pos in out.prompt_logprobs[1:]], dtype=torch.float64
+        )
+
+    served = served_logits()
+    with worker_functions_allowed():
+        llm.apply_model(wrong_dequantization_scale)
+        try:
+            wrong = served_logits()
+        finally:
+            llm.apply_model(functools.partial(wrong_dequantization_scale, undo=True))
+            llm.reset_prefix_cache()  # nothing the wrong run wrote may be read again
     with torch.no_grad():
         ref = cached_latent_model(mla, "bf16")(input_ids=torch.tensor([text])).logits[0, :-1].double()
     targets = torch.tensor(text[1:])
-    nll = [-torch.log_softmax(x, -1).gather(1, targets[:, None])[:, 0] for x in (served, ref)]
     top2 = ref.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) >= TIE_MARGIN
-    agree = (served.argmax(-1) == ref.argmax(-1))[clear].double().mean().item()
-    dnll = (nll[0] - nll[1]).mean().item()
-    cos = torch.nn.functional.cosine_similarity(served, ref, dim=-1).mean().item()
+    ref_nll = -torch.log_softmax(ref, -1).gather(1, targets[:, None])[:, 0]
+
+    def cost(x: torch.Tensor) -> tuple[float, float, float]:  # agreement, mean NLL difference, mean logit cosine
+        nll = -torch.log_softmax(x, -1).gather(1, targets[:, None])[:, 0]
+        return (
+            (x.argmax(-1) == ref.argmax(-1))[clear].double().mean().item(),
+            (nll - ref_nll).mean().item(),
+            torch.nn.functional.cosine_similarity(x, ref, dim=-1).mean().item(),
+        )
+
+    (agree, dnll, cos), (w_agree, w_dnll, w_cos) = cost(served), cost(wrong)
     print(
         f"\nFP8 vs bf16 latent, {len(targets)} positions ({int(clear.sum())} not ties): agreement {agree:.4f}, "
-        f"mean NLL difference {dnll:+.2e} nats (NLL {nll[1].mean().item():.3f}), mean logit cosine {cos:.6f}"
+        f"mean NLL difference {dnll:+.2e} nats (NLL {ref_nll.mean().item():.3f}), mean logit cosine {cos:.6f}; "
+        f"dequantized x {WRONG_SCALE}: {w_agree:.4f}, {w_dnll:+.2e}, {w_cos:.6f}"
     )
     assert len(targets) >= 1000
     assert agree >= BOUNDS[0] and abs(dnll) <= BOUNDS[1] and cos >= BOUNDS[2], (agree, dnll, cos)
+    assert w_agree < BOUNDS[0] and abs(w_dnll) > BOUNDS[1] and w_cos < BOUNDS[2], (w_agree, w_dnll, w_cos)
 
 
 @pytest.mark.vllm

@@ -16,8 +16,20 @@ the exact run and four perturbed ones (`nearest_reference_run`: each an equally 
 (docs/packed-format.md, "Serving tests and FP8 rounding flips", has the sizes seen). The checks are: Laplace's
 one-token prompt, too few roundings to flip, equal to EXACT_TOL at its first step; every short prompt's logits
 within FLIP_TOL at every step (the quantization itself moves logits by several units against the unquantized model,
-a wiring error by more); clear argmaxes chosen; long prompts the same function (cosine); and op-level exactness in
+a wiring error by more); clear argmaxes chosen; long prompts the same function (cosine); every FP8 matrix the engine
+holds exactly the checkpoint's values (FP8 x row scale: `_check_shards`, at TP 1 too); and op-level exactness in
 tests/test_fp8_expert.py.
+
+What FLIP_TOL catches, measured (planted in the served MLA-Trinity's row scales after load, through
+LLM.apply_model; prompts of 7 and 40 tokens, 12 steps; max |logit diff| vs the nearest of the five reference runs):
+correctly wired 0.33 and 0.49; layer 0 down_proj's row scales one 32-row block off (every row's scale from the row 32
+below) 8.9 and 6.0; rows 0-31 and 32-63 of layer 0's gate_up_proj swapped 3.7 and 1.1, of one routed expert's w13
+2.6 and 3.7; one row's scale one exponent step up (2x): layer 0 down_proj 2.8 and 4.9, layer 0 up_proj 2.6 and 0.67,
+a shared expert's down_proj 3.5 and 0.54, an LM head row 5.4 and 5.7, each failed by at least one prompt; but one
+routed expert's w2 row (layer 2, expert 5, row 3) 2x: 0.33 and 0.43, inside the flips, which no tolerance separates
+from the correct wiring's 0.49. That one the exact check of the held FP8 values catches, as it catches any scale
+placed on the wrong row. `test_trinity_packed_equals_fp8_reference` plants the block shift and that 2x row and
+asserts that its checks reject them.
 """
 
 from __future__ import annotations
@@ -129,17 +141,49 @@ def test_laplace_packed_equals_fp8_reference(laplace_packed: Path, laplace_ckpt:
     assert min(cos) > 0.9, cos
 
 
+# Wiring errors planted in a served engine's row scales (see the module docstring): one that the logits bound
+# rejects (every row's scale of a matrix taken from the row one 32-row block below) and one inside the FP8 flips that
+# only the exact check of the held values rejects (one routed expert's row scale one exponent step up).
+BLOCK_SHIFT = ("model.layers.0.mlp.down_proj.weight_scale", None)
+ROW_2X = ("model.layers.2.mlp.experts.routed_experts.w2_weight_scale", (5, 3))
+
+
+def _plant(model: torch.nn.Module, param: str, row: tuple[int, ...] | None, undo: bool = False) -> None:
+    """Run in the worker (LLM.apply_model): `row` None: the row scales of `param` shifted by one 32-row block; else that
+    row's scale doubled. `undo` takes it back exactly (the scales are powers of two)."""
+    s = dict(model.named_parameters())[param].data
+    if row is None:
+        s.copy_(torch.roll(s, 32 if undo else -32, dims=-1))
+    else:
+        s[row] *= 0.5 if undo else 2.0
+
+
 def test_trinity_packed_equals_fp8_reference(trinity_dirs: tuple[Path, Path]) -> None:
+    """Served logits within FLIP_TOL of the reference's, every FP8 matrix held exactly; and both checks shown to
+    matter on the same engine: a planted block shift of row scales fails the logits bound, a planted 2x row scale
+    that stays inside it fails the exact check."""
     mla, packed = trinity_dirs
     prompts = random_prompts(len(TRINITY_LENGTHS), TRINITY_LENGTHS, seed=22)
-    llm = raw_logits_llm(packed, VOCAB)
-    try:
-        served = _served(llm, prompts)
-        alone = _served(llm, prompts[:1])[0]
-    finally:
-        del llm
+    with worker_functions_allowed():
+        llm = raw_logits_llm(packed, VOCAB)
+        try:
+            served = _served(llm, prompts)
+            alone = _served(llm, prompts[:1])[0]
+            held = llm.apply_model(_fp8_shards)
+            llm.apply_model(functools.partial(_plant, param=ROW_2X[0], row=ROW_2X[1]))
+            held_2x = llm.apply_model(_fp8_shards)
+            llm.apply_model(functools.partial(_plant, param=ROW_2X[0], row=ROW_2X[1], undo=True))
+            llm.apply_model(functools.partial(_plant, param=BLOCK_SHIFT[0], row=BLOCK_SHIFT[1]))
+            llm.reset_prefix_cache()
+            shifted = _served(llm, prompts[:1])[0]
+        finally:
+            del llm
     plain = load_hf_model(mla)
-    ref = patch_afmoe_fp8(copy.deepcopy(plain), *load_packed(packed))
+    weights, fp8 = load_packed(packed)
+    compared = _check_shards(held, weights, 1, False)
+    with pytest.raises(AssertionError, match="rank 0 expert 5 w2"):
+        _check_shards(held_2x, weights, 1, False)
+    ref = patch_afmoe_fp8(copy.deepcopy(plain), weights, fp8)
     errs, cos, agree = [], [], 0
     for prompt, (tokens, logits) in zip(prompts, served):
         want = nearest_reference_run(logits, functools.partial(teacher_forced_logits, ref, prompt, tokens))
@@ -147,9 +191,16 @@ def test_trinity_packed_equals_fp8_reference(trinity_dirs: tuple[Path, Path]) ->
         cos.append(cosine(logits, teacher_forced_logits(plain, prompt, tokens)))
         agree += sum(a == b for a, b in zip(tokens, hf_greedy(plain, prompt, STEPS)["tokens"]))
     assert alone[0] == served[0][0], "batched and alone differ"
+    tokens, logits = shifted
+    want = nearest_reference_run(logits, functools.partial(teacher_forced_logits, ref, prompts[0], tokens))
+    planted = float((logits - want).abs().max())
+    with pytest.raises(AssertionError, match=r"max \|logit diff\|"):
+        _check("planted block shift", len(prompts[0]), tokens, logits, want)
     print(
         f"\nMLA-Trinity packed vs FP8 reference, max |logit diff| by prompt length: {_fmt(TRINITY_LENGTHS, errs)}; "
-        f"vs unquantized: logits cosine min {min(cos):.4f}, greedy tokens equal {agree}/{STEPS * len(prompts)}"
+        f"vs unquantized: logits cosine min {min(cos):.4f}, greedy tokens equal {agree}/{STEPS * len(prompts)}; "
+        f"{compared} FP8 matrices held exactly; planted block shift of row scales: {planted:.1e} (rejected), "
+        "planted 2x row scale: rejected by the exact check"
     )
     assert min(cos) > 0.9, cos
 
