@@ -5,8 +5,9 @@ Run (from the repository root)::
     .venv/bin/python deploy/bench_packed_load.py                # ~15 min, ~9 GB of disk under bench-out/
     .venv/bin/python deploy/bench_packed_load.py --moe-layers 1 # quick look (packed checkpoint < 2 GB)
 
-1. Expansion throughput: `loaders.mxfp4.expand_rows` on a random [65536 x 2048] MXFP4 matrix vs this machine's
-   memcpy (torch copy of a buffer the size of the FP8 output), interleaved reps, same thread count; printed side by
+1. Expansion throughput: `loaders.mxfp4.expand_rows` on a random [65536 x 2048] MXFP4 matrix (by the compiled
+   loop, and again on torch ops, the fallback where no C compiler is found) vs this machine's memcpy (torch copy of
+   a buffer the size of the FP8 output), interleaved reps, same thread count; printed side by
    side as output bytes per second and as a ratio of memcpy bandwidth (target >= 0.3). Then a rank's expansion
    time under tensor parallelism: rank 0 of 2 expanding only the part it keeps (the output rows of a
    column-parallel matrix, the input columns of a row-parallel one, as `packed_weights` does at TP=2) against the
@@ -101,7 +102,18 @@ def expansion(reps: int, rows: int) -> dict:
     the whole matrix (TP=1). Both writers run twice over: into a destination written before (the ratio the target is
     about: the work of the copy itself) and into a fresh one (what a load pays: the first touch of every page, the
     same for any writer, which narrows the ratio). Interleaved reps, medians, same thread count."""
+    from vllm_trn_plugin.envs import NATIVE_EXPAND
     from vllm_trn_plugin.loaders.mxfp4 import expand_rows
+
+    def on_torch_ops(run: object) -> object:  # the fallback where no C compiler is found
+        def wrapped() -> object:
+            os.environ[NATIVE_EXPAND] = "0"
+            try:
+                return run()
+            finally:
+                del os.environ[NATIVE_EXPAND]
+
+        return wrapped
 
     g = torch.Generator().manual_seed(0)
     cols = 2048
@@ -114,6 +126,7 @@ def expansion(reps: int, rows: int) -> dict:
     runs = {
         "memcpy": lambda: dst.copy_(src),
         "expand": lambda: expand_rows(packed, scales, file="bench", tensor="w", out=out),
+        "expand_torch_ops": on_torch_ops(lambda: expand_rows(packed, scales, file="bench", tensor="w", out=out)),
         "memcpy_fresh": lambda: torch.empty_like(src).copy_(src),
         "expand_fresh": lambda: expand_rows(packed, scales, file="bench", tensor="w"),
         "tp2_rows": lambda: expand_rows(
@@ -138,6 +151,8 @@ def expansion(reps: int, rows: int) -> dict:
         "expand_GBps": out_bytes / med["expand"] / 1e9,
         "memcpy_GBps": out_bytes / med["memcpy"] / 1e9,
         "ratio": med["memcpy"] / med["expand"],
+        "expand_torch_ops_GBps": out_bytes / med["expand_torch_ops"] / 1e9,
+        "ratio_torch_ops": med["memcpy"] / med["expand_torch_ops"],
         "expand_fresh_GBps": out_bytes / med["expand_fresh"] / 1e9,
         "memcpy_fresh_GBps": out_bytes / med["memcpy_fresh"] / 1e9,
         "ratio_fresh": med["memcpy_fresh"] / med["expand_fresh"],
@@ -152,6 +167,10 @@ def report_expansion(ex: dict) -> None:
     print(
         f"{ex['elements'] / 1e6:.0f}M elements, {ex['threads']} threads: expand {ex['expand_GBps']:.2f} GB/s of FP8 "
         f"output | memcpy {ex['memcpy_GBps']:.2f} GB/s | ratio {ex['ratio']:.3f} x memcpy (target >= 0.3)"
+    )
+    print(
+        f"the same on torch ops (no C compiler; VLLM_TRN_NATIVE_EXPAND=0): {ex['expand_torch_ops_GBps']:.2f} GB/s | "
+        f"ratio {ex['ratio_torch_ops']:.3f}"
     )
     print(
         f"into fresh memory (first touch of every page, as at load): expand {ex['expand_fresh_GBps']:.2f} GB/s | "

@@ -31,6 +31,7 @@ from functools import partial
 
 import torch
 
+from vllm_trn_plugin.loaders import expand_native
 from vllm_trn_plugin.loaders.io import CheckpointFormatError
 
 __all__ = [
@@ -249,6 +250,17 @@ def _chunk(
     the full rows (the row maximum e_max is over every block of the row, kept or not), `out` float8 [n, kept
     elements] (any row stride). Returns e_max per row (int16 [n]) or the first row over the spread limit."""
     n, nb = sc.shape
+    native = expand_native.loop() if codes.device.type == "cpu" else None
+    if native is not None and codes.stride(-1) == sc.stride(-1) == out.stride(-1) == 1:
+        e_max = torch.empty(n, dtype=torch.int16)
+        pair = _pair_table(codes.device)
+        bad = native(
+            codes.data_ptr(), codes.stride(0), sc.data_ptr(), sc.stride(0), n, nb, kb0, kb1,
+            out.data_ptr(), out.stride(0), pair.data_ptr(), e_max.data_ptr(), MAX_ROW_SPREAD, _ZERO_ROW_EMAX,
+        )  # fmt: skip
+        if bad < 0:
+            return e_max
+        # a row over the spread limit: the torch path below finds it again and names its block
     # Nonzero blocks from 8-byte words: 16 bytes = two words per block, sign bits masked off.
     words = _words(codes, torch.int64).view(n, nb, 2)
     nonzero = torch.bitwise_or(words[..., 0], words[..., 1]).bitwise_and_(_NONZERO_MASK) != 0
@@ -383,8 +395,9 @@ def expand_rows(
     shape to write into (a view of a larger one, e.g. the full-size tensor vLLM's weight loaders narrow, is fine;
     merged leading dims must be viewable as one); ignored when the result is bf16.
 
-    The expansion runs in row chunks on every thread of torch's intra-op pool (`_parallel_chunks`), one 4-code
-    table lookup per two code bytes (`_quad_table`).
+    The expansion runs in row chunks on every thread of torch's intra-op pool (`_parallel_chunks`): each chunk by
+    the compiled loop (`expand_native`, one 2-code lookup per code byte) where it is available, else on torch ops,
+    one 4-code table lookup per two code bytes (`_quad_table`); both bit for bit the same.
     """
     lead, codes2, scales2 = _rows(packed, scales, file, tensor)
     n_out, nb = packed.shape[-2], scales2.shape[1]

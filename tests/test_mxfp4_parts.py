@@ -1,4 +1,5 @@
-"""MXFP4 -> FP8 expansion: the threaded 4-code lookup against references, and the parts a tensor-parallel rank expands.
+"""MXFP4 -> FP8 expansion: the threaded expansion against references, both ways it runs (the compiled loop and the
+torch ops' 4-code lookup), and the parts a tensor-parallel rank expands.
 
 Three references, none of them the code under test:
 - `old_expand`: the implementation before the lookup was rewritten (one 2-code lookup per byte, one thread), kept
@@ -20,7 +21,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vllm_trn_plugin.loaders import mxfp4, packed
+from vllm_trn_plugin import envs
+from vllm_trn_plugin.loaders import expand_native, mxfp4, packed
 from vllm_trn_plugin.loaders.io import CheckpointFormatError
 from vllm_trn_plugin.loaders.mxfp4 import ExpandedMatrix, decode_mxfp4, expand_rows
 from vllm_trn_plugin.loaders.packed import iter_checkpoint, pack
@@ -100,9 +102,19 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.set_num_threads(threads)  # expand_rows puts back the count it saw, the patched 3
 
 
+@pytest.fixture(params=["compiled", "torch ops"])
+def expansion_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each expansion test both ways: the compiled C loop (set-up installs a C compiler: its absence is a failure
+    here) and the torch ops it replaces where there is none."""
+    monkeypatch.setenv(envs.NATIVE_EXPAND, "1" if request.param == "compiled" else "0")
+    assert (expand_native.loop() is not None) == (request.param == "compiled"), "no C compiler for the loop"
+    return request.param
+
+
 # ---------------------------------------------------------------- the fast path
 
 
+@pytest.mark.usefixtures("expansion_loop")
 @pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("seed,rows,nb", [(0, 40, 4), (1, 7, 1), (2, 33, 9)])
 def test_expansion_equals_old_and_plain_references(
@@ -121,6 +133,7 @@ def test_expansion_equals_old_and_plain_references(
     assert (bytes_of(m) == 0x80).any()  # -0 kept
 
 
+@pytest.mark.usefixtures("expansion_loop")
 def test_pinned_caller_runs_chunks_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
     """A caller pinned to one core (as in vLLM's CPU workers) starts no threads, and gets the same bytes."""
     monkeypatch.setattr(mxfp4, "_EXPAND_CHUNK_ELEMS", 3 * 128)
@@ -130,6 +143,7 @@ def test_pinned_caller_runs_chunks_in_turn(monkeypatch: pytest.MonkeyPatch) -> N
     assert torch.equal(bytes_of(expand_rows(p, s, file="f", tensor="t")), old_expand(p, s)[0])
 
 
+@pytest.mark.usefixtures("expansion_loop")
 def test_every_shift_reaches_the_plain_reference() -> None:
     """Each shift 0..13 with every code, alone in its row beside a top block: the whole table, against float64."""
     rows = []
@@ -146,6 +160,7 @@ def test_every_shift_reaches_the_plain_reference() -> None:
     assert torch.equal(bytes_of(m), plain_expand(p, s)[0])
 
 
+@pytest.mark.usefixtures("expansion_loop")
 def test_odd_offset_and_strided_inputs_still_exact() -> None:
     """Codes that cannot be viewed as words in place (odd storage offset) take a copy, not a wrong reading."""
     p, s = random_matrix(5, 12, 3)
@@ -170,6 +185,7 @@ def _slices(n_out: int, n_in: int) -> list[tuple[tuple[int, int] | None, tuple[i
     ]
 
 
+@pytest.mark.usefixtures("expansion_loop")
 @pytest.mark.parametrize("chunked", [False, True])
 def test_parts_are_slices_of_the_whole(request: pytest.FixtureRequest, chunked: bool) -> None:
     """Catches a part whose row scale ignores the blocks outside its columns, an off-by-one in the row or column
@@ -186,6 +202,7 @@ def test_parts_are_slices_of_the_whole(request: pytest.FixtureRequest, chunked: 
         assert torch.equal(part.row_scale, whole.row_scale[r0:r1]), (rows, cols)
 
 
+@pytest.mark.usefixtures("expansion_loop")
 def test_stacked_parts_and_out_view() -> None:
     """Stacked experts: the row range applies to each matrix; `out` may be a view into a whole-size tensor."""
     p, s = random_matrix(4, 3 * 16, 4)
@@ -330,3 +347,31 @@ def test_iter_checkpoint_part_holds_the_slice(tmp_path: Path) -> None:
             assert torch.equal(t.weight.view(torch.uint8), w.weight.view(torch.uint8))
         else:
             assert torch.equal(t, w)
+
+
+def test_compiled_loop_never_loaded_from_a_directory_others_can_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache directory another user could write to is passed over (a planted library there would run in every
+    worker); with no safe directory and no compiler the loader falls back to torch ops, the same bytes."""
+    shared = tmp_path / "xdg" / "vllm-trn"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setattr(expand_native.tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    expand_native.compiled_loop.cache_clear()
+    try:
+        assert expand_native.loop() is not None
+        assert list(shared.iterdir()) == []  # nothing written or read there
+        assert [p.suffix for p in (tmp_path / "tmp").glob("vllm-trn-*/*")] == [".so"]
+
+        expand_native.compiled_loop.cache_clear()
+        monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))
+        monkeypatch.setenv("CC", "no-such-cc")
+        assert expand_native.loop() is None
+        p, s = random_matrix(6, 9, 3)
+        assert torch.equal(bytes_of(expand_rows(p, s, file="f", tensor="t")), old_expand(p, s)[0])
+    finally:
+        expand_native.compiled_loop.cache_clear()

@@ -12,10 +12,11 @@ FP8_RESIDENCY = (
 )
 FP8_RESIDENCY_MODES = ("copy", "fp8")
 NO_TCMALLOC = "VLLM_TRN_NO_TCMALLOC"  # "1": `vllm-trn serve` leaves the allocator alone (no tcmalloc preload)
+NATIVE_EXPAND = "VLLM_TRN_NATIVE_EXPAND"  # "0": MXFP4 -> FP8 expansion on torch ops, not the compiled loop
 
 
-def _flag(name: str) -> bool:
-    value = os.environ.get(name, "0")
+def _flag(name: str, default: str = "0") -> bool:
+    value = os.environ.get(name, default)
     if value not in ("0", "1"):
         raise ValueError(f"{name}={value!r}: expected 0 or 1")
     return value == "1"
@@ -27,6 +28,10 @@ def allow_bf16() -> bool:
 
 def no_tcmalloc() -> bool:
     return _flag(NO_TCMALLOC)
+
+
+def native_expand() -> bool:
+    return _flag(NATIVE_EXPAND, "1")
 
 
 def kernels() -> str:
