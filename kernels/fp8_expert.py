@@ -112,8 +112,9 @@ def _fbgemm_fp16() -> bool:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # deprecated in torch's Python API, still its fastest exact CPU GEMM
-                w = torch.tensor([[2.0**-9, 240.0], [-1.5, 2.0**-6]])
-                x = torch.tensor([[2.0**-9, 240.0]])
+                # dtype spelled out: vLLM loads weights under its model dtype as torch's default
+                w = torch.tensor([[2.0**-9, 240.0], [-1.5, 2.0**-6]], dtype=torch.float32)
+                x = torch.tensor([[2.0**-9, 240.0]], dtype=torch.float32)
                 got = torch.fbgemm_linear_fp16_weight_fp32_activation(x, torch.fbgemm_pack_gemm_matrix_fp16(w), None)
             _FBGEMM_OK = torch.equal(got, (x.double() @ w.double().t()).float())
         except (AttributeError, RuntimeError):

@@ -52,6 +52,7 @@ from tests.references.afmoe import (
 )
 from tests.references.laplace import LaplaceReference
 from tests.references.packed import load_packed, nearest_reference_run, patch_afmoe_fp8
+from vllm_trn_plugin.kernels.fp8_expert import fp8_compute_copy
 from vllm_trn_plugin.loaders.io import CheckpointFormatError
 from vllm_trn_plugin.loaders.packed import pack
 from vllm_trn_plugin.model_executors.mxfp4_fp8 import packed_weights
@@ -158,10 +159,54 @@ def _plant(model: torch.nn.Module, param: str, row: tuple[int, ...] | None, undo
         s[row] *= 0.5 if undo else 2.0
 
 
+def _compute_forms(model: torch.nn.Module) -> dict[str, set[torch.dtype]]:
+    """Run in the worker (LLM.apply_model): the dtypes of the compute copies each FP8 layer holds (fp8_compute)."""
+    out = {}
+    for name, module in model.named_modules():
+        copies = getattr(module, "fp8_compute", None)
+        if copies is not None:
+            flat = [copies] if isinstance(copies, torch.Tensor) else [c for part in copies for c in part]
+            out[name] = {c.dtype for c in flat}
+    return out
+
+
+def _check_compute_forms(forms: dict[str, set[torch.dtype]]) -> None:
+    want = fp8_compute_copy(torch.ones(32, 32).to(torch.float8_e4m3fn)).dtype  # uint8: FBGEMM's handle
+    assert "lm_head" in forms and len(forms) >= 8, forms
+    assert {n: f for n, f in forms.items() if f != {want}} == {}, f"compute copies not all {want}"
+
+
+def test_packed_bf16_engine_computes_from_the_fast_exact_copies(trinity_dirs: tuple[Path, Path]) -> None:
+    """A bf16 engine, as users serve, holds the same compute copies as a plain process picks (vLLM loads the weights
+    under bf16 as torch's default dtype, which once made the FBGEMM probe fail and every layer fall back to fp32
+    copies: twice the memory, 2.2-3.8x bf16's decode time) and decodes."""
+    from vllm import LLM, SamplingParams
+
+    with worker_functions_allowed():
+        llm = LLM(
+            str(trinity_dirs[1]),
+            dtype="bfloat16",
+            max_model_len=256,
+            max_num_seqs=2,
+            seed=0,
+            kv_cache_memory_bytes=64 << 20,
+            enforce_eager=True,
+        )
+        try:
+            forms = llm.apply_model(_compute_forms)[0]
+            params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            out = llm.generate([{"prompt_token_ids": [5, 9, 2]}], params, use_tqdm=False)
+        finally:
+            del llm
+    _check_compute_forms(forms)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 def test_trinity_packed_equals_fp8_reference(trinity_dirs: tuple[Path, Path]) -> None:
     """Served logits within FLIP_TOL of the reference's, every FP8 matrix held exactly; and both checks shown to
     matter on the same engine: a planted block shift of row scales fails the logits bound, a planted 2x row scale
-    that stays inside it fails the exact check."""
+    that stays inside it fails the exact check. Every FP8 layer computes from the copy this CPU multiplies fastest
+    exactly (FBGEMM's fp16 handle where it runs: 2 bytes per weight, not fp32's 4)."""
     mla, packed = trinity_dirs
     prompts = random_prompts(len(TRINITY_LENGTHS), TRINITY_LENGTHS, seed=22)
     with worker_functions_allowed():
@@ -170,6 +215,7 @@ def test_trinity_packed_equals_fp8_reference(trinity_dirs: tuple[Path, Path]) ->
             served = _served(llm, prompts)
             alone = _served(llm, prompts[:1])[0]
             held = llm.apply_model(_fp8_shards)
+            forms = llm.apply_model(_compute_forms)[0]
             llm.apply_model(functools.partial(_plant, param=ROW_2X[0], row=ROW_2X[1]))
             held_2x = llm.apply_model(_fp8_shards)
             llm.apply_model(functools.partial(_plant, param=ROW_2X[0], row=ROW_2X[1], undo=True))
@@ -178,6 +224,7 @@ def test_trinity_packed_equals_fp8_reference(trinity_dirs: tuple[Path, Path]) ->
             shifted = _served(llm, prompts[:1])[0]
         finally:
             del llm
+    _check_compute_forms(forms)
     plain = load_hf_model(mla)
     weights, fp8 = load_packed(packed)
     compared = _check_shards(held, weights, 1, False)
