@@ -11,6 +11,9 @@ Each form computes sum_k xq[t, k] * w[n, k] for FP8 activations xq [T, K] and an
 - `fp32 copy`: an fp32 copy held once (4 bytes per weight; the fallback where FBGEMM is missing);
 - `bf16 copy, bf16 out`: a bf16 copy and a bf16 GEMM: exact products, but its output is rounded to bf16 (not the
   definition: shown for its speed only);
+- `vLLM oneDNN bf16`: what a bf16 engine computes the same layer with (vLLM's prepacked oneDNN GEMM, bf16 in and
+  out: also not the definition); the packed engine's decode time against the bf16 engine's follows from this row
+  against `compute copy` (docs/fp8.md). Left out where vLLM's CPU ops are missing;
 - `compute copy`: kernels/fp8_expert.fp8_compute_copy (FBGEMM's packed fp16 where it runs: 2 bytes per weight,
   fp32 activations and accumulation);
 - `_scaled_mm`: torch's FP8 GEMM (unit scales, fp32 out), the form a GPU or the Neuron graph runs.
@@ -33,7 +36,7 @@ from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, fp8_compute_copy, fp8_
 
 def forms(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     w32, w16, copy = w.float(), w.to(torch.bfloat16), fp8_compute_copy(w)
-    return {
+    out = {
         "per-call upcast": lambda xq: xq.float() @ w.float().t(),
         "fp8 only (chunks)": lambda xq: fp8_matmul(xq, w),
         "fp32 copy": lambda xq: xq.float() @ w32.t(),
@@ -41,6 +44,14 @@ def forms(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         "compute copy": lambda xq: fp8_matmul(xq, w, copy),
         "_scaled_mm": lambda xq: scaled_mm_products(xq, w),
     }
+    try:
+        from vllm import _custom_ops as ops
+
+        handler = ops.create_onednn_mm(w16.t(), 32)
+        out["vLLM oneDNN bf16"] = lambda xq: ops.onednn_mm(handler, xq.to(torch.bfloat16), None).float()
+    except (ImportError, AttributeError, RuntimeError) as e:
+        print(f"vLLM oneDNN bf16 left out: {e}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
