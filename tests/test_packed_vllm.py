@@ -179,7 +179,7 @@ def _check_compute_forms(forms: dict[str, set[torch.dtype]]) -> None:
 def test_packed_bf16_engine_computes_from_the_fast_exact_copies(trinity_dirs: tuple[Path, Path]) -> None:
     """A bf16 engine, as users serve, holds the same compute copies as a plain process picks (vLLM loads the weights
     under bf16 as torch's default dtype, which once made the FBGEMM probe fail and every layer fall back to fp32
-    copies: twice the memory, 2.2-3.8x bf16's decode time) and decodes."""
+    copies: twice the memory and slower, docs/fp8.md has the figures) and decodes through them without error."""
     from vllm import LLM, SamplingParams
 
     with worker_functions_allowed():
