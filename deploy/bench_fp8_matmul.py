@@ -14,8 +14,10 @@ Each form computes sum_k xq[t, k] * w[n, k] for FP8 activations xq [T, K] and an
 - `vLLM oneDNN bf16`: what a bf16 engine computes the same layer with (vLLM's prepacked oneDNN GEMM, bf16 in and
   out: also not the definition); the packed engine's decode time against the bf16 engine's follows from this row
   against `compute copy` (docs/fp8.md). Left out where vLLM's CPU ops are missing;
-- `compute copy`: kernels/fp8_expert.fp8_compute_copy (FBGEMM's packed fp16 where it runs: 2 bytes per weight,
-  fp32 activations and accumulation);
+- `compute copy`: kernels/fp8_expert.fp8_compute_copy, what a CPU layer computes with: on CPUs with AVX-512 BF16
+  the bf16 dot-product kernel's packed copy (kernels/fp8_cpu.py), else FBGEMM's packed fp16 (2 bytes per
+  weight either way, fp32 accumulation);
+- `FBGEMM fp16 copy`: FBGEMM's copy, shown beside the compute copy where that is the kernel's;
 - `_scaled_mm`: torch's FP8 GEMM (unit scales, fp32 out), the form a GPU or the Neuron graph runs.
 Reps interleave the forms; the median per form is printed with its ratio to the compute copy, and its largest
 difference from the compute copy's output relative to the output's scale (fp32 accumulation orders differ: ~1e-7;
@@ -25,13 +27,30 @@ the bf16 output's rounding: ~1e-3).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+from vllm_trn_plugin import envs
 from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, fp8_compute_copy, fp8_matmul, scaled_mm_products
+
+FORM_NAMES = {torch.bfloat16: "AVX-512 BF16 kernel", torch.uint8: "FBGEMM fp16", torch.float32: "fp32"}
+
+
+def fbgemm_copy(w: torch.Tensor) -> torch.Tensor:
+    """The compute copy with the compiled kernel switched off (FBGEMM's where it runs)."""
+    before = os.environ.get(envs.NATIVE_GEMM)
+    os.environ[envs.NATIVE_GEMM] = "0"
+    try:
+        return fp8_compute_copy(w)
+    finally:
+        if before is None:
+            del os.environ[envs.NATIVE_GEMM]
+        else:
+            os.environ[envs.NATIVE_GEMM] = before
 
 
 def forms(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -44,6 +63,9 @@ def forms(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         "compute copy": lambda xq: fp8_matmul(xq, w, copy),
         "_scaled_mm": lambda xq: scaled_mm_products(xq, w),
     }
+    if copy.dtype == torch.bfloat16:
+        fb = fbgemm_copy(w)
+        out["FBGEMM fp16 copy"] = lambda xq: fp8_matmul(xq, w, fb)
     try:
         from vllm import _custom_ops as ops
 
@@ -66,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     fns = forms(w)
     print(
         f"FP8 weight {args.rows} x {args.cols}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"compute copy: {'FBGEMM fp16' if fp8_compute_copy(w).dtype == torch.uint8 else 'fp32'}"
+        f"compute copy: {FORM_NAMES[fp8_compute_copy(w).dtype]}"
     )
     for t in args.tokens:
         xq = (torch.randn(t, args.cols, generator=g) * 40).clamp(-240, 240).to(FP8_DTYPE)

@@ -20,10 +20,12 @@ scales are applied to the accumulator's output in the order written, then the bi
 float32. The result stays float32; callers cast.
 
 Where the FP8 x FP8 products are computed (`fp8_matmul`), never by converting a weight per call:
-- CPU: a compute copy made once at load (`fp8_compute_copy`): every E4M3 value is an fp16 value, and FBGEMM's
-  fp16-weight GEMM multiplies fp32 activations by it with fp32 accumulation (products exact, as above), at 2 bytes
-  per weight; where FBGEMM is missing, an fp32 copy (4 bytes per weight). torch has no CPU GEMM that reads FP8 or
-  returns fp32 from bf16 operands (`_scaled_mm` on CPU converts per call: docs/fp8.md has the measurements). A
+- CPU: a compute copy made once at load (`fp8_compute_copy`), 2 bytes per weight: on CPUs with AVX-512 BF16 a
+  packed bf16 copy that kernels/fp8_cpu.py multiplies with bf16 dot products into fp32; elsewhere FBGEMM's
+  fp16 copy (every E4M3 value is an fp16 value), which FBGEMM multiplies by fp32 activations with fp32 accumulation.
+  Products exact, as above, either way. Where neither runs, an fp32 copy (4 bytes per weight). torch has no CPU
+  GEMM that reads FP8 or returns fp32 from bf16 operands (`_scaled_mm` on CPU converts per call: docs/fp8.md has
+  the measurements). A
   layer without a copy (the FP8-only residency opt-in) converts its weight in bounded row chunks per call.
 - GPU (and the Neuron graph): `torch._scaled_mm` on the FP8 operands with unit scales and an fp32 output: the
   hardware's FP8 GEMM, the same products and fp32 accumulation; the scales are applied here, in the order written.
@@ -43,6 +45,8 @@ from typing import NamedTuple
 
 import torch
 
+from vllm_trn_plugin.kernels import fp8_cpu
+
 FP8_MAX = 240.0  # Trainium2 E4M3 (IEEE-style, bias 7): largest finite value
 FP8_DTYPE = torch.float8_e4m3fn  # carries Trainium2's values bit for bit for |x| <= 240
 AMAX_FLOOR = 2.0**-100  # 240 / AMAX_FLOOR is finite and AMAX_FLOOR / 240 a normal float32
@@ -50,7 +54,11 @@ INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))  # fp32(1 
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (xq float8_e4m3fn [T, K] with |xq| <= 240, s_tok float32 [T]), as in the module docstring."""
+    """x [T, K] -> (xq float8_e4m3fn [T, K] with |xq| <= 240, s_tok float32 [T]), as in the module docstring. On
+    CPU one compiled pass computes the same bits (fp8_cpu.quantize) where it applies."""
+    fast = fp8_cpu.quantize(x, AMAX_FLOOR, INV_FP8_MAX) if x.device.type == "cpu" else None
+    if fast is not None:
+        return fast
     xf = x.float()
     a = xf.abs().amax(-1).clamp_min(AMAX_FLOOR)
     inv = (1.0 / a) * FP8_MAX
@@ -126,12 +134,15 @@ _FBGEMM_OK: bool | None = None
 
 
 def fp8_compute_copy(weight: torch.Tensor) -> torch.Tensor | None:
-    """What the CPU multiplies the FP8 matrix `weight` [N, K] with, made once when the weights are loaded: FBGEMM's
-    packed fp16 copy (an opaque handle tensor, 2 bytes per weight behind it) where FBGEMM runs, else an fp32 copy
-    (4 bytes per weight). Exact either way: every E4M3 value is an fp16 value. A bf16 matrix (the VLLM_TRN_ALLOW_BF16
-    opt-in, computed unquantized in fp32) gets its fp32 copy. None off the CPU (a device has its own FP8 GEMM)."""
+    """What the CPU multiplies the FP8 matrix `weight` [N, K] with, made once when the weights are loaded: the packed
+    bf16 copy of fp8_cpu (a bf16 tensor) on CPUs with AVX-512 BF16, else FBGEMM's packed fp16 copy (an opaque
+    uint8 handle tensor, 2 bytes per weight behind it) where FBGEMM runs, else an fp32 copy (4 bytes per weight).
+    Exact each way: every E4M3 value is a bf16 and an fp16 value. A bf16 matrix (the VLLM_TRN_ALLOW_BF16 opt-in,
+    computed unquantized in fp32) gets its fp32 copy. None off the CPU (a device has its own FP8 GEMM)."""
     if weight.dtype not in (FP8_DTYPE, torch.bfloat16) or weight.device.type != "cpu":
         return None
+    if weight.dtype == FP8_DTYPE and fp8_cpu.kernel() is not None:
+        return fp8_cpu.pack(weight)
     w = weight.float()
     if weight.dtype == FP8_DTYPE and _fbgemm_fp16():
         with warnings.catch_warnings():
@@ -148,10 +159,14 @@ def scaled_mm_products(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def fp8_matmul(xq: torch.Tensor, weight: torch.Tensor, compute: torch.Tensor | None = None) -> torch.Tensor:
     """The FP8 x FP8 products with fp32 accumulation, [T, N] float32, for FP8 activations xq [T, K] and the FP8
-    weight [N, K]: from its compute copy (`fp8_compute_copy`) on CPU, by the device's FP8 GEMM on a GPU, else
-    converting the weight in row chunks (bounded memory: the FP8-only residency opt-in)."""
+    weight [N, K] (or one expert's `to_kernel_layout` tiles, with a compute copy): from its compute copy
+    (`fp8_compute_copy`) on CPU, by the device's FP8 GEMM on a GPU, else converting the weight in row chunks
+    (bounded memory: the FP8-only residency opt-in)."""
     if weight.is_cuda and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0:
         return scaled_mm_products(xq, weight)
+    if compute is not None and compute.dtype == torch.bfloat16:
+        rows = weight.shape[0] if weight.dim() == 2 else weight.shape[1] * weight.shape[3]  # row-major or tiles
+        return fp8_cpu.products(xq, compute, rows)
     xf = fp8_to_float32(xq) if xq.dtype == FP8_DTYPE else xq.float()
     if compute is not None:
         if compute.dtype == torch.float32:
@@ -315,15 +330,55 @@ def fp8_experts(
 ) -> torch.Tensor:
     """Routed experts, torch path: sum_k topk_weights[t, k] * fp8_expert(x_t, experts[e]), e = topk_ids[t, k].
 
-    Experts are visited in ascending order (the NKI kernel's order). An id < 0 is an expert this rank does not
-    hold (expert parallelism): it adds nothing here. `compute`: `expert_compute_copies(experts)`, or None.
-    Returns x.dtype [T, H].
+    Each token's terms are added in ascending expert order (the NKI kernel's order). An id < 0 is an expert this
+    rank does not hold (expert parallelism): it adds nothing here. `compute`: `expert_compute_copies(experts)`, or
+    None. Returns x.dtype [T, H].
+
+    The (token, expert) pairs are computed together, sorted by expert: the per-token quantization, scales, biases
+    and SiLU are row-wise, so doing them once over all pairs gives each pair's `fp8_expert` values bit for bit, and
+    only the products run per expert. A decode step then costs a few dozen torch ops, not a few dozen per expert.
     """
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in topk_ids.unique().tolist():
-        if e < 0:
-            continue
-        tok, k = (topk_ids == e).nonzero(as_tuple=True)
-        y = fp8_expert(x[tok], experts.expert(e), None if compute is None else (compute[0][e], compute[1][e]))
-        out.index_add_(0, tok, y * topk_weights[tok, k, None].float())
+    flat = topk_ids.reshape(-1)
+    pairs = (flat >= 0).nonzero().squeeze(1)
+    if pairs.numel() == 0:
+        return out.to(x.dtype)
+    pairs = pairs[torch.sort(flat[pairs], stable=True).indices]  # by expert, then token
+    tok, e_of = pairs // topk_ids.shape[1], flat[pairs].long()
+    ids, counts = torch.unique_consecutive(e_of, return_counts=True)
+    spans = list(zip(ids.tolist(), torch.cumsum(counts, 0).tolist(), strict=True))
+
+    def linear(
+        rows: torch.Tensor,
+        w: torch.Tensor,
+        c: list[torch.Tensor] | None,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """row_linear of each expert's rows (`rows` sorted by expert), every row's own expert's matrix."""
+        fp8 = w.dtype == FP8_DTYPE
+        xq, s_tok = quantize_per_token(rows) if fp8 else (rows.float(), None)
+        if fp8 and c is not None and c[0].dtype == torch.bfloat16:  # the AVX-512 BF16 kernel: every expert at once
+            bounds = [0] + [end for _, end in spans]
+            acc = fp8_cpu.products(xq, [c[e] for e, _ in spans], scale.shape[-1], bounds)
+            spans_left = []
+        else:
+            acc = torch.empty(rows.shape[0], scale.shape[-1], dtype=torch.float32, device=rows.device)
+            spans_left = spans
+        start = 0
+        for e, end in spans_left:
+            copy = None if c is None else c[e]
+            m = w[e] if copy is not None or w.dim() == 3 else from_kernel_layout(w[e])
+            if fp8:
+                acc[start:end] = fp8_matmul(xq[start:end], m, copy)
+            else:
+                acc[start:end] = xq[start:end] @ (m.float() if copy is None else copy).t()
+            start = end
+        y = acc * s_tok[:, None] * scale[e_of] if fp8 else acc * scale[e_of]
+        return y if bias is None else y + bias[e_of].float()
+
+    c13, c2 = compute if compute is not None else (None, None)
+    gate, up = linear(x[tok], experts.w13, c13, experts.s13, experts.b13).chunk(2, dim=-1)
+    y = linear(torch.nn.functional.silu(gate) * up, experts.w2, c2, experts.s2, experts.b2)
+    out.index_add_(0, tok, y * topk_weights.reshape(-1)[pairs, None].float())  # index order: experts ascending
     return out.to(x.dtype)

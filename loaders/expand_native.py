@@ -1,11 +1,8 @@
-"""The MXFP4 -> FP8 expansion loop in C, compiled once per machine with the system's C compiler and loaded by ctypes.
+"""The MXFP4 -> FP8 expansion loop in C, compiled once per machine and loaded by ctypes (vllm_trn_plugin/native.py).
 
 Why C: the expansion is a table lookup per code byte; as torch ops it runs at ~0.1x memcpy on two AVX2 cores
-(index arithmetic, an index tensor and a gather per pass), as one loop at memory speed. Why not numba or a torch
-extension: numba loads llvmlite, whose binding object breaks vLLM's CPU worker start in the same process
-(docs/packed-format.md), and a torch extension compiles against torch's headers for a minute. This is plain C99 with
-no headers beyond the C library's: a fraction of a second with `cc -O3`, cached under the user's cache directory by
-the source's hash, written to a temporary name and renamed, so concurrent workers never load a half-written file.
+(index arithmetic, an index tensor and a gather per pass), as one loop at memory speed. Plain C99 with no headers
+beyond the C library's.
 
 `loop()` is None where no compiler is found, the compile fails or `VLLM_TRN_NATIVE_EXPAND=0`: the loader then runs
 its torch path, bit for bit the same (tests/test_mxfp4_parts.py runs both). ctypes releases the GIL for the call, so the
@@ -16,17 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
-from vllm_trn_plugin import envs
-
-logger = logging.getLogger(__name__)
+from vllm_trn_plugin import envs, native
 
 SOURCE = r"""
 #include <stdint.h>
@@ -75,38 +63,6 @@ int64_t trn_expand_mxfp4_rows(const uint8_t *codes, int64_t code_stride, const u
 """
 
 
-def _cache_dirs() -> list[Path]:
-    """Where the compiled loop may live: the user's cache directory, else (a read-only home, as in the trn2 pods)
-    a per-user directory under the temporary directory."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return [Path(root) / "vllm-trn", Path(tempfile.gettempdir()) / f"vllm-trn-{os.getuid()}"]
-
-
-def _build(compiler: str) -> Path:
-    key = hashlib.sha256((SOURCE + compiler).encode()).hexdigest()[:16]
-    for d in _cache_dirs():
-        lib = d / f"expand-mxfp4-{key}.so"
-        try:
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
-            st = d.stat()
-            if st.st_uid != os.getuid() or st.st_mode & 0o022:
-                continue  # a directory another user could write to: never load code from it
-            return lib if lib.is_file() else _compile(compiler, lib)
-        except OSError:
-            continue
-    raise OSError(f"no writable directory for the compiled expansion loop among {[str(d) for d in _cache_dirs()]}")
-
-
-def _compile(compiler: str, lib: Path) -> Path:
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        src, built = Path(tmp) / "expand.c", Path(tmp) / "expand.so"
-        src.write_text(SOURCE)
-        cmd = [compiler, "-O3", "-std=c99", "-shared", "-fPIC", "-o", str(built), str(src)]
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
-        os.replace(built, lib)  # atomic: another process loads the old complete file or this one
-    return lib
-
-
 def loop() -> object | None:
     """The compiled expansion loop (a ctypes function), or None: disabled, or no working C compiler."""
     return compiled_loop() if envs.native_expand() else None
@@ -115,16 +71,10 @@ def loop() -> object | None:
 @functools.cache
 def compiled_loop() -> object | None:
     """Compile (or find) and load the loop once per process; None, with a warning, where that fails."""
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        logger.warning("no C compiler (cc, gcc or $CC): MXFP4 -> FP8 expansion runs on torch ops, ~3x slower")
+    lib = native.load("expand-mxfp4", SOURCE, fallback="MXFP4 -> FP8 expansion runs on torch ops, ~3x slower")
+    if lib is None:
         return None
-    try:
-        fn = ctypes.CDLL(str(_build(compiler))).trn_expand_mxfp4_rows
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        logger.warning("compiling the MXFP4 expansion loop failed (%s): it runs on torch ops", detail[-500:])
-        return None
+    fn = lib.trn_expand_mxfp4_rows
     fn.restype = ctypes.c_int64
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64]

@@ -3,11 +3,14 @@ against float64 and ml_dtypes' Trainium2 FP8 (`float8_e4m3`), op by op, where no
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
+from vllm_trn_plugin import envs
 from vllm_trn_plugin.kernels.fp8_expert import ExpertWeights, fp8_experts, fp8_linear, quantize_per_token
 
 E4M3 = ml_dtypes.float8_e4m3  # Trainium2's IEEE-style E4M3: max 240, NaN beyond
@@ -111,19 +114,42 @@ def _every_fp8_value() -> torch.Tensor:
     return v[v.float().abs() <= 240]
 
 
-@pytest.mark.parametrize("path", ["compute copy", "fp32 copy", "fp8 only (row chunks)", "FP8 GEMM (_scaled_mm)"])
+def _avx512_bf16_kernel() -> None:
+    """Skip where this CPU lacks AVX-512 BF16; fail where it has it and the kernel did not load (set-up installs
+    the C compiler that builds it)."""
+    from vllm_trn_plugin.kernels import fp8_cpu
+
+    if fp8_cpu.kernel() is None:
+        flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+        assert " avx512_bf16" not in flags, "this CPU has AVX-512 BF16 but the compiled FP8 kernel did not load"
+        pytest.skip("this CPU has no AVX-512 BF16: its FP8 layers compute from FBGEMM's copy")
+
+
+PATHS = ["AVX-512 BF16 copy", "FBGEMM copy", "fp32 copy", "fp8 only (row chunks)", "FP8 GEMM (_scaled_mm)"]
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_fp8_products_exact_on_every_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every way the FP8 x FP8 products are computed (fp8_expert.fp8_matmul: the CPU's compute copy made at load,
-    FBGEMM's fp16 form where FBGEMM runs; an fp32 copy; FP8-only residency, converting row chunks per call; torch's
-    FP8 GEMM, the graph form on a device) gives the float64 products bit for bit: on sums exact in fp32, and on
-    every E4M3 value once (an fp16 copy that rounded a subnormal, or a bf16 path, would fail)."""
+    """Every way the FP8 x FP8 products are computed (fp8_expert.fp8_matmul: the CPU's compute copies made at load,
+    the bf16 dot-product kernel's where the CPU has AVX-512 BF16 and FBGEMM's fp16 copy elsewhere; an fp32 copy;
+    FP8-only residency, converting row chunks per call; torch's FP8 GEMM, the graph form on a device) gives the
+    float64 products bit for bit: on sums exact in fp32, and on every E4M3 value once (a copy that rounded or
+    flushed a subnormal, or a path that rounds its output to bf16, would fail)."""
     from vllm_trn_plugin.kernels import fp8_expert as f
 
     monkeypatch.setattr(f, "_CHUNK_ELEMS", 7 * 256)  # several chunks and a short last one below
+    if path == "AVX-512 BF16 copy":
+        _avx512_bf16_kernel()
+    if path == "FBGEMM copy":
+        monkeypatch.setenv(envs.NATIVE_GEMM, "0")
+        if not f._fbgemm_fp16():
+            pytest.skip("this torch has no exact FBGEMM fp16 GEMM: its FP8 layers hold fp32 copies")
 
     def products(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if path == "compute copy":
-            return f.fp8_matmul(xq, w, f.fp8_compute_copy(w))
+        if path in ("AVX-512 BF16 copy", "FBGEMM copy"):
+            copy = f.fp8_compute_copy(w)
+            assert copy.dtype == (torch.bfloat16 if path == "AVX-512 BF16 copy" else torch.uint8)
+            return f.fp8_matmul(xq, w, copy)
         if path == "fp32 copy":
             return f.fp8_matmul(xq, w, w.float())
         if path == "fp8 only (row chunks)":
@@ -143,6 +169,42 @@ def test_fp8_products_exact_on_every_path(path: str, monkeypatch: pytest.MonkeyP
     xq[0, 0], xq[1, 1] = 240.0, 2.0**-9
     got = products(xq.to(torch.float8_e4m3fn), w)
     assert torch.equal(got.double(), xq.double() @ w.double().t())
+
+
+def test_avx512_bf16_kernel_on_every_tile_shape() -> None:
+    """The dot-product kernel's tiles (16 rows by a k pair per vector, up to 4 row blocks by 8 tokens per tile, 64
+    tokens per work item): rows, columns and tokens that fill no tile (odd K, a short last row block, 9 and 130
+    tokens), an empty batch, and activations with a row stride (a slice): the float64 products, bit for bit."""
+    from vllm_trn_plugin.kernels import fp8_cpu
+
+    _avx512_bf16_kernel()
+    for t, n, k in [(0, 16, 4), (1, 1, 1), (3, 17, 3), (9, 100, 77), (130, 65, 256), (8, 200, 64)]:
+        x, w = _integer_operands(t, n, k + 6, seed=t + n + k)
+        xq = x.to(torch.float8_e4m3fn)[:, 3 : 3 + k]  # a row stride k + 6
+        got = fp8_cpu.products(xq, fp8_cpu.pack(w[:, 3 : 3 + k]), n)
+        assert torch.equal(got.double(), xq.double() @ w[:, 3 : 3 + k].double().t()), (t, n, k)
+    with pytest.raises(ValueError, match="do not fit"):
+        fp8_cpu.products(xq, fp8_cpu.pack(w[:, :10]), n)
+
+
+def test_avx512_bf16_kernel_groups_rows_by_expert() -> None:
+    """One call for a layer's experts (fp8_experts): rows bounds[g] .. bounds[g+1] multiply copy g, empty groups and
+    groups longer than a work item's 64 tokens included, each the float64 products of its own matrix; bounds that
+    do not cover the rows in order are refused."""
+    from vllm_trn_plugin.kernels import fp8_cpu
+
+    _avx512_bf16_kernel()
+    x, _ = _integer_operands(150, 1, 77, seed=5)
+    ws = [_integer_operands(1, 40, 77, seed=6 + g)[1] for g in range(5)]
+    bounds = [0, 3, 3, 70, 71, 150]
+    xq = x.to(torch.float8_e4m3fn)
+    got = fp8_cpu.products(xq, [fp8_cpu.pack(w) for w in ws], 40, bounds)
+    for g, w in enumerate(ws):
+        rows = slice(bounds[g], bounds[g + 1])
+        assert torch.equal(got[rows].double(), xq[rows].double() @ w.double().t()), g
+    for bad in ([0, 3, 2, 70, 71, 150], [0, 3, 3, 70, 149], [1, 3, 3, 70, 71, 150]):
+        with pytest.raises(ValueError, match="ascending row offsets"):
+            fp8_cpu.products(xq, [fp8_cpu.pack(w) for w in ws], 40, bad)
 
 
 def test_fp8_linear_from_its_compute_copy_equals_the_definition() -> None:
@@ -185,3 +247,42 @@ def test_fp8_residency_option(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_TRN_FP8_RESIDENCY", "bf16")
     with pytest.raises(ValueError, match="VLLM_TRN_FP8_RESIDENCY='bf16'"):
         compute_copy(w)
+
+
+def test_compiled_quantize_equals_torch_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_cpu.quantize (one C pass, what CPU layers quantize with) against quantize_per_token's torch ops: codes
+    and scales bit for bit on every finite bf16 value, on fp32 values at, beside and between E4M3 grid points (rows
+    whose amax is 240, so the multiplier is exactly 1 and rounding ties reach the conversion), and on random rows
+    from 1e-30 to 1e30 with zero and negative-zero rows. A NaN or an infinity is left to torch."""
+    from vllm_trn_plugin.kernels import fp8_cpu
+    from vllm_trn_plugin.kernels.fp8_expert import AMAX_FLOOR, INV_FP8_MAX
+
+    def torch_ops(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with monkeypatch.context() as m:
+            m.setenv(envs.NATIVE_GEMM, "0")
+            return quantize_per_token(x)
+
+    def check(x: torch.Tensor) -> None:
+        got = fp8_cpu.quantize(x, AMAX_FLOOR, INV_FP8_MAX)
+        assert got is not None, "the compiled quantizer did not load (set-up installs the C compiler)"
+        want = torch_ops(x)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))
+
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    every = every[torch.isfinite(every.float())]
+    check(every[: every.numel() // 256 * 256].view(-1, 256))
+    grid = _every_fp8_value().float().unique()
+    mid = (grid[1:] + grid[:-1]) / 2
+    near = torch.cat([grid, mid, torch.nextafter(mid, grid[1:]), torch.nextafter(mid, grid[:-1])])
+    near = torch.cat([near, -near])
+    rows = near[: near.numel() // 63 * 63].view(-1, 63)
+    check(torch.cat([torch.full((rows.shape[0], 1), 240.0), rows], 1))
+    g = torch.Generator().manual_seed(9)
+    for scale in (1e-30, 1e-6, 1e-2, 1.0, 37.0, 1e5, 1e30):
+        x = torch.randn(16, 1000, generator=g) * scale
+        x[3], x[4] = 0.0, -0.0
+        check(x)
+    x = torch.randn(3, 10, generator=g)
+    x[1, 2] = float("inf")
+    assert fp8_cpu.quantize(x, AMAX_FLOOR, INV_FP8_MAX) is None

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vllm_trn_plugin import envs
+from vllm_trn_plugin import envs, native
 from vllm_trn_plugin.loaders import expand_native, mxfp4, packed
 from vllm_trn_plugin.loaders.io import CheckpointFormatError
 from vllm_trn_plugin.loaders.mxfp4 import ExpandedMatrix, decode_mxfp4, expand_rows
@@ -360,7 +360,7 @@ def test_compiled_loop_never_loaded_from_a_directory_others_can_write(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     (tmp_path / "tmp").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
-    monkeypatch.setattr(expand_native.tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    monkeypatch.setattr(native.tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
     expand_native.compiled_loop.cache_clear()
     try:
         assert expand_native.loop() is not None

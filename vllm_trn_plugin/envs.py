@@ -13,6 +13,7 @@ FP8_RESIDENCY = (
 FP8_RESIDENCY_MODES = ("copy", "fp8")
 NO_TCMALLOC = "VLLM_TRN_NO_TCMALLOC"  # "1": `vllm-trn serve` leaves the allocator alone (no tcmalloc preload)
 NATIVE_EXPAND = "VLLM_TRN_NATIVE_EXPAND"  # "0": MXFP4 -> FP8 expansion on torch ops, not the compiled loop
+NATIVE_GEMM = "VLLM_TRN_NATIVE_GEMM"  # "0": CPU FP8 layers never use the compiled AVX-512 BF16 kernel
 
 
 def _flag(name: str, default: str = "0") -> bool:
@@ -32,6 +33,10 @@ def no_tcmalloc() -> bool:
 
 def native_expand() -> bool:
     return _flag(NATIVE_EXPAND, "1")
+
+
+def native_gemm() -> bool:
+    return _flag(NATIVE_GEMM, "1")
 
 
 def kernels() -> str:

@@ -1,0 +1,314 @@
+"""The CPU's compiled FP8 helpers (C, vllm_trn_plugin/native.py): per-token quantization, and the FP8 x FP8 products
+(fp8_expert.fp8_matmul) on CPUs with AVX-512 BF16.
+
+`quantize` is fp8_expert.quantize_per_token's formula in one pass over a row, where torch takes ten ops (~30 us for
+a decode step's row, most of an FP8 layer's overhead): the same fp32 operations in the same order (compiled without
+floating-point contraction, so nothing is fused or reordered), and the fp32 -> E4M3 rounding (round to nearest,
+ties to even) written out on the bits. A row holding a NaN or an infinity is left to torch (None), whose NaN
+propagation is the definition. Plain C: it runs wherever the library compiles.
+
+Products: every E4M3 value is a bf16 value (subnormals included: bf16 has fp32's exponent range, so they are normal
+there), and the product of two is exact in fp32 (4 + 4 significant bits). `vdpbf16ps` multiplies bf16 pairs and
+adds into fp32 lanes, so from a bf16 copy of the weight and the FP8 activations read as bf16 the kernel computes the
+definition: exact products, fp32 accumulation (no operand or partial sum is ever subnormal, so the instruction's
+flush-to-zero never acts: every product is a nonzero multiple of 2^-18 or zero). torch's CPU bf16 GEMM rounds its
+output to bf16 and its fp32-output form has no CPU kernel, so neither can serve; this one writes fp32.
+
+The copy is packed for the instruction: [ceil(N/16), ceil(K/2), 16, 2] bf16, 16 consecutive rows by one k pair per
+512-bit vector, zero-padded (2 bytes per weight, as FBGEMM's fp16 copy). Each output vector holds 16 rows of one
+token, so a weight vector loaded once serves up to 8 tokens from registers. One call can take a layer's experts,
+each multiplying its own rows. The loop over row blocks runs on torch's OpenMP threads. Oracles: the float64
+products, bit for bit on sums exact in fp32, and torch's quantize_per_token, bit for bit
+(tests/test_fp8_expert.py).
+
+`kernel()` is None where the CPU lacks AVX-512 BF16, no C compiler is found, the compile fails or
+`VLLM_TRN_NATIVE_GEMM=0`; fp8_expert.fp8_compute_copy then makes FBGEMM's copy. `quantize` runs torch's ops where
+the library is missing or VLLM_TRN_NATIVE_GEMM=0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from vllm_trn_plugin import envs, native
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+int trn_bf16dot_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+}
+
+/* NB row blocks of 16 from block b, TT tokens: out[t, 16b..] = sum over the kp pairs. NB and TT are constants at
+   every call, so the compiler keeps the NB x TT accumulators in registers. */
+static inline AVX512BF16 __attribute__((always_inline)) void tile(const uint32_t *x, int64_t kp, const uint16_t *w,
+                                                                  int64_t b, const int NB, const int TT, int64_t n,
+                                                                  float *out, int64_t ldo) {
+    __m512 acc[4][8];
+    for (int i = 0; i < NB; i++)
+        for (int t = 0; t < TT; t++) acc[i][t] = _mm512_setzero_ps();
+    const uint16_t *wb = w + b * kp * 32;
+    for (int64_t j = 0; j < kp; j++) {
+        __m512bh wv[4];
+        for (int i = 0; i < NB; i++) wv[i] = (__m512bh)_mm512_loadu_si512(wb + (i * kp + j) * 32);
+        for (int t = 0; t < TT; t++) {
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[t * kp + j]);
+            for (int i = 0; i < NB; i++) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], wv[i], xv);
+        }
+    }
+    for (int i = 0; i < NB; i++) {
+        int64_t n0 = (b + i) * 16;
+        __mmask16 m = n - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - n0)) - 1);
+        for (int t = 0; t < TT; t++) _mm512_mask_storeu_ps(out + t * ldo + n0, m, acc[i][t]);
+    }
+}
+
+#define TOKENS(NB)                                                          \
+    switch (tt) {                                                           \
+    case 1: tile(xg, kp, wg, bb, NB, 1, n, og, ldo); break;                  \
+    case 2: tile(xg, kp, wg, bb, NB, 2, n, og, ldo); break;                  \
+    case 3: tile(xg, kp, wg, bb, NB, 3, n, og, ldo); break;                  \
+    case 4: tile(xg, kp, wg, bb, NB, 4, n, og, ldo); break;                  \
+    case 5: tile(xg, kp, wg, bb, NB, 5, n, og, ldo); break;                  \
+    case 6: tile(xg, kp, wg, bb, NB, 6, n, og, ldo); break;                  \
+    case 7: tile(xg, kp, wg, bb, NB, 7, n, og, ldo); break;                  \
+    default: tile(xg, kp, wg, bb, NB, 8, n, og, ldo); break;                 \
+    }
+
+#define GROUP 4          /* row blocks per work item: 64 rows */
+#define TOKEN_CHUNK 64   /* tokens per work item: a work item's weights stay in cache across its token groups */
+
+/* out[T, n] (row stride ldo) = xq[T, K] (FP8 bytes, row stride ldx) times packed copies (nb blocks, kp pairs each):
+   rows bounds[g] .. bounds[g+1] of xq by the copy w[g], for groups g < ngroups (a layer's experts: one parallel
+   loop for all of them). table[byte]: the bf16 bits of each FP8 byte. Returns 0, or -1 where no scratch memory. */
+AVX512BF16 int trn_fp8_bf16dot(const uint8_t *xq, int64_t T, int64_t K, int64_t ldx, const uint16_t *table,
+                               const uint16_t *const *w, const int64_t *bounds, int64_t ngroups, int64_t nb,
+                               int64_t kp, int64_t n, float *out, int64_t ldo) {
+    uint32_t *x = malloc((size_t)(T * kp) * sizeof(uint32_t) + 1);
+    int64_t *first = malloc((size_t)(ngroups + 1) * sizeof(int64_t));
+    if (x == NULL || first == NULL) {
+        free(x);
+        free(first);
+        return -1;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const uint8_t *r = xq + t * ldx;
+        uint16_t *d = (uint16_t *)(x + t * kp);
+        for (int64_t k = 0; k < K; k++) d[k] = table[r[k]];
+        if (K & 1) d[K] = 0;
+    }
+    int64_t nrg = (nb + GROUP - 1) / GROUP;
+    first[0] = 0;  /* work items of group g: first[g] .. first[g+1], row groups by token chunks */
+    for (int64_t g = 0; g < ngroups; g++)
+        first[g + 1] = first[g] + nrg * ((bounds[g + 1] - bounds[g] + TOKEN_CHUNK - 1) / TOKEN_CHUNK);
+#pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < first[ngroups]; item++) {
+        int64_t lo = 0, hi = ngroups - 1;
+        while (lo < hi) {  /* the group whose items hold this one */
+            int64_t mid = (lo + hi + 1) / 2;
+            if (first[mid] <= item) lo = mid; else hi = mid - 1;
+        }
+        int64_t grp = lo, local = item - first[grp];
+        int64_t nt = (bounds[grp + 1] - bounds[grp] + TOKEN_CHUNK - 1) / TOKEN_CHUNK;
+        int64_t rg = local / nt, tc = local % nt;
+        int64_t t_begin = bounds[grp] + tc * TOKEN_CHUNK;
+        int64_t t_end = t_begin + TOKEN_CHUNK < bounds[grp + 1] ? t_begin + TOKEN_CHUNK : bounds[grp + 1];
+        const uint16_t *wg = w[grp];
+        for (int64_t t0 = t_begin; t0 < t_end; t0 += 8) {
+            int64_t tt = t_end - t0 < 8 ? t_end - t0 : 8;
+            const uint32_t *xg = x + t0 * kp;
+            float *og = out + t0 * ldo;
+            int64_t bb = rg * GROUP, b_end = bb + GROUP < nb ? bb + GROUP : nb;
+            if (b_end - bb == 4 && tt <= 4) {
+                TOKENS(4)
+                continue;
+            }
+            for (; bb + 2 <= b_end; bb += 2) { TOKENS(2) }
+            if (bb < b_end) { TOKENS(1) }
+        }
+    }
+    free(first);
+    free(x);
+    return 0;
+}
+
+/* fp32 -> E4M3FN code, round to nearest even, for finite |v| <= 240 (as torch's conversion). */
+static inline uint8_t e4m3(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    uint32_t sign = (u >> 24) & 0x80, a = u & 0x7FFFFFFF;
+    uint8_t code;
+    if (a < 0x3C800000u) { /* below 2^-6: a multiple of 2^-9; v x 2^9 is exact, rounded by the 2^23 add */
+        float m;
+        memcpy(&m, &a, 4);
+        m = (m * 512.0f + 8388608.0f) - 8388608.0f;
+        code = (uint8_t)m; /* 0 .. 8, and 8 is 2^-6's code */
+    } else { /* drop 20 of 23 mantissa bits with ties to even; a carry moves into the exponent */
+        code = (uint8_t)(((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - (120u << 3));
+    }
+    return code | (uint8_t)sign;
+}
+
+static inline float load(const void *x, int bf16, int64_t i) {
+    if (!bf16) return ((const float *)x)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* quantize_per_token on rows x [T, K] (fp32, or bf16 bits if bf16; row stride ldx elements): codes [T, K] and
+   scale [T]. Returns -1, or the first row holding a NaN or an infinity (nothing of it or later rows is written). */
+int64_t trn_fp8_quantize(const void *x, int64_t T, int64_t K, int64_t ldx, int bf16, float floor, float inv_max,
+                         uint8_t *codes, float *scale) {
+    for (int64_t t = 0; t < T; t++) {
+        const char *row = (const char *)x + t * ldx * (bf16 ? 2 : 4);
+        float a = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            float v = load(row, bf16, k);
+            if (!(v - v == 0.0f)) return t; /* NaN or +-inf */
+            v = v < 0 ? -v : v;
+            a = v > a ? v : a;
+        }
+        a = a < floor ? floor : a;
+        float inv = (1.0f / a) * 240.0f;
+        uint8_t *c = codes + t * K;
+        for (int64_t k = 0; k < K; k++) {
+            float y = load(row, bf16, k) * inv;
+            y = y < -240.0f ? -240.0f : (y > 240.0f ? 240.0f : y);
+            c[k] = e4m3(y);
+        }
+        scale[t] = a * inv_max;
+    }
+    return -1;
+}
+
+/* The packed copy of the FP8 matrix w [n, K] (row stride ldw): out [nb, kp, 16, 2] bf16 bits, zeroed by the caller
+   (the padding rows and column stay zero). */
+void trn_fp8_bf16dot_pack(const uint8_t *w, int64_t n, int64_t K, int64_t ldw, const uint16_t *table, uint16_t *out,
+                          int64_t kp) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *src = w + r * ldw;
+        uint16_t *dst = out + (r / 16) * kp * 32 + (r % 16) * 2;
+        for (int64_t k = 0; k < K; k++) dst[(k / 2) * 32 + (k & 1)] = table[src[k]];
+    }
+}
+"""
+
+
+@functools.cache
+def _compiled() -> object | None:
+    """The library (a ctypes CDLL) or None; `trn_bf16dot_supported` says whether its products can run here."""
+    flags = ["-fopenmp", "-ffp-contract=off"]  # no fused multiply-adds: every fp32 operation rounds as written
+    lib = native.load("fp8-cpu", SOURCE, flags, fallback="FP8 layers use torch's ops and FBGEMM's fp16 copy")
+    if lib is None:
+        return None
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.trn_fp8_quantize.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ctypes.c_float, ctypes.c_float, ptr, ptr]
+    lib.trn_fp8_quantize.restype = i64
+    lib.trn_fp8_bf16dot.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64]
+    lib.trn_fp8_bf16dot.restype = ctypes.c_int
+    lib.trn_fp8_bf16dot_pack.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64]
+    lib.trn_fp8_bf16dot_pack.restype = None
+    return lib
+
+
+def kernel() -> object | None:
+    """The compiled products kernel (a ctypes library), or None: disabled, no AVX-512 BF16, or no working C
+    compiler."""
+    lib = _compiled() if envs.native_gemm() else None
+    return lib if lib is not None and lib.trn_bf16dot_supported() else None
+
+
+def quantize(x: torch.Tensor, floor: float, inv_max: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """fp8_expert.quantize_per_token of a CPU x [T, K] (fp32 or bf16, unit column stride) in one pass: (codes, s_tok),
+    bit for bit; `floor` and `inv_max` are its AMAX_FLOOR and fp32(1 / 240). None where it does not apply (the
+    library missing or switched off, another dtype or layout, a NaN or an infinity in x): the caller runs torch."""
+    lib = _compiled() if envs.native_gemm() else None
+    if lib is None or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        return None
+    if x.stride(1) != 1 and x.shape[1] > 1:
+        return None
+    t, k = x.shape
+    codes = torch.empty(t, k, dtype=FP8_DTYPE)
+    scale = torch.empty(t, dtype=torch.float32)
+    bf16 = int(x.dtype == torch.bfloat16)
+    bad = lib.trn_fp8_quantize(
+        x.data_ptr(), t, k, x.stride(0), bf16, floor, inv_max, codes.data_ptr(), scale.data_ptr()
+    )
+    return None if bad >= 0 else (codes, scale)
+
+
+def _lib() -> object:
+    lib = kernel()
+    if lib is None:
+        raise RuntimeError("the AVX-512 BF16 FP8 kernel is not available on this host (fp8_cpu.kernel())")
+    return lib
+
+
+@functools.cache
+def _bf16_bits() -> torch.Tensor:
+    """The bf16 bit pattern of each FP8 byte (exact: every E4M3 value, NaN aside, is a bf16 value)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).to(torch.bfloat16).view(torch.int16)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's copy of the FP8 matrix `weight` [N, K]: bf16 [ceil(N/16), ceil(K/2), 16, 2], zero-padded."""
+    if weight.dtype != FP8_DTYPE or weight.dim() != 2:
+        raise TypeError(f"pack: expected a 2-D {FP8_DTYPE} matrix, got {weight.dtype} {tuple(weight.shape)}")
+    lib = _lib()
+    n, k = weight.shape
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    out = torch.zeros(-(-n // 16), -(-k // 2), 16, 2, dtype=torch.bfloat16)
+    lib.trn_fp8_bf16dot_pack(
+        weight.data_ptr(), n, k, weight.stride(0), _bf16_bits().data_ptr(), out.data_ptr(), out.shape[1]
+    )
+    return out
+
+
+def products(
+    xq: torch.Tensor, packed: torch.Tensor | Sequence[torch.Tensor], n: int, bounds: Sequence[int] | None = None
+) -> torch.Tensor:
+    """sum_k xq[t, k] * weight[r, k], float32 [T, n], for FP8 activations xq [T, K] and `pack(weight)`. With a list
+    of copies of one shape and `bounds` (one more row offset than copies, 0 to T), rows bounds[g] .. bounds[g+1] of
+    xq multiply copies[g]: a layer's experts in one call."""
+    lib = _lib()
+    copies = [packed] if isinstance(packed, torch.Tensor) else list(packed)
+    bounds = [0, xq.shape[0]] if bounds is None else list(bounds)
+    nb, kp = copies[0].shape[0], copies[0].shape[1]
+    t, k = xq.shape
+    if xq.dtype != FP8_DTYPE or any(c.dtype != torch.bfloat16 or c.shape != copies[0].shape for c in copies):
+        raise TypeError(f"products: FP8 activations and pack() copies of one shape expected, got {xq.dtype}")
+    if copies[0].shape[2:] != (16, 2) or not (kp * 2 - 1 <= k <= kp * 2 and nb * 16 - 15 <= n <= nb * 16):
+        raise ValueError(
+            f"products: activations [{t}, {k}] and {n} rows do not fit a copy of {nb} x 16 rows, {kp} pairs"
+        )
+    if len(bounds) != len(copies) + 1 or bounds[0] != 0 or bounds[-1] != t or sorted(bounds) != bounds:
+        raise ValueError(f"products: bounds {bounds} are not {len(copies) + 1} ascending row offsets from 0 to {t}")
+    if xq.stride(1) != 1:
+        xq = xq.contiguous()
+    out = torch.empty(t, n, dtype=torch.float32)
+    if t:
+        ptrs = torch.tensor([c.data_ptr() for c in copies], dtype=torch.int64)
+        rows = torch.tensor(bounds, dtype=torch.int64)
+        rc = lib.trn_fp8_bf16dot(
+            xq.data_ptr(), t, k, xq.stride(0), _bf16_bits().data_ptr(), ptrs.data_ptr(), rows.data_ptr(),
+            len(copies), nb, kp, n, out.data_ptr(), n,
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError(f"products: no memory for the kernel's {t} x {kp} activation scratch")
+    return out
