@@ -237,6 +237,8 @@ def quantize(x: torch.Tensor, floor: float, inv_max: float) -> tuple[torch.Tenso
     """fp8_expert.quantize_per_token of a CPU x [T, K] (fp32 or bf16, unit column stride) in one pass: (codes, s_tok),
     bit for bit; `floor` and `inv_max` are its AMAX_FLOOR and fp32(1 / 240). None where it does not apply (the
     library missing or switched off, another dtype or layout, a NaN or an infinity in x): the caller runs torch."""
+    if torch.compiler.is_compiling() or type(x) is not torch.Tensor or torch._C._len_torch_dispatch_stack():
+        return None  # traced (dynamo, make_fx, fake tensors): a graph holds torch's ops, never a pointer
     lib = _compiled() if envs.native_gemm() else None
     if lib is None or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         return None

@@ -286,3 +286,16 @@ def test_compiled_quantize_equals_torch_bit_for_bit(monkeypatch: pytest.MonkeyPa
     x = torch.randn(3, 10, generator=g)
     x[1, 2] = float("inf")
     assert fp8_cpu.quantize(x, AMAX_FLOOR, INV_FP8_MAX) is None
+
+
+def test_quantize_traced_into_a_graph_keeps_torch_ops() -> None:
+    """Traced (the Neuron step graphs quantize FP8 latents and activations), quantize_per_token stays torch's ops: a
+    fullgraph compile succeeds, no compiled call is baked into it, and the graph gives the eager bits."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    got = torch.compile(quantize_per_token, fullgraph=True, backend="aot_eager")(x)
+    want = quantize_per_token(x)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+    ops = {str(n.target) for n in make_fx(quantize_per_token)(x).graph.nodes}
+    assert "aten.amax.default" in ops
