@@ -15,8 +15,9 @@ Each form computes sum_k xq[t, k] * w[n, k] for FP8 activations xq [T, K] and an
   out: also not the definition); the packed engine's decode time against the bf16 engine's follows from this row
   against `compute copy` (docs/fp8.md). Left out where vLLM's CPU ops are missing;
 - `compute copy`: kernels/fp8_expert.fp8_compute_copy, what a CPU layer computes with: on CPUs with AVX-512 BF16
-  the bf16 dot-product kernel's packed copy (kernels/fp8_cpu.py), else FBGEMM's packed fp16 (2 bytes per
-  weight either way, fp32 accumulation);
+  the compiled kernel's packed bf16 copy (kernels/fp8_cpu.py: AMX where the CPU has it), else FBGEMM's packed fp16
+  (2 bytes per weight either way, fp32 accumulation);
+- `kernel, vdpbf16ps only`: the same copy on AVX-512 BF16 alone (VLLM_TRN_NATIVE_GEMM=avx512), where AMX is there;
 - `FBGEMM fp16 copy`: FBGEMM's copy, shown beside the compute copy where that is the kernel's;
 - `_scaled_mm`: torch's FP8 GEMM (unit scales, fp32 out), the form a GPU or the Neuron graph runs.
 Reps interleave the forms; the median per form is printed with its ratio to the compute copy, and its largest
@@ -27,30 +28,41 @@ the bf16 output's rounding: ~1e-3).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from vllm_trn_plugin import envs
+from vllm_trn_plugin.kernels import fp8_cpu
 from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, fp8_compute_copy, fp8_matmul, scaled_mm_products
 
-FORM_NAMES = {torch.bfloat16: "AVX-512 BF16 kernel", torch.uint8: "FBGEMM fp16", torch.float32: "fp32"}
+FORM_NAMES = {torch.bfloat16: "compiled kernel", torch.uint8: "FBGEMM fp16", torch.float32: "fp32"}
 
 
-def fbgemm_copy(w: torch.Tensor) -> torch.Tensor:
-    """The compute copy with the compiled kernel switched off (FBGEMM's where it runs)."""
+@contextlib.contextmanager
+def native_gemm(mode: str) -> Iterator[None]:
+    """VLLM_TRN_NATIVE_GEMM=mode inside the block (read per call): "0" for FBGEMM's copy, "avx512" for no AMX."""
     before = os.environ.get(envs.NATIVE_GEMM)
-    os.environ[envs.NATIVE_GEMM] = "0"
+    os.environ[envs.NATIVE_GEMM] = mode
     try:
-        return fp8_compute_copy(w)
+        yield
     finally:
         if before is None:
             del os.environ[envs.NATIVE_GEMM]
         else:
             os.environ[envs.NATIVE_GEMM] = before
+
+
+def without_amx(w: torch.Tensor, copy: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    def run(xq: torch.Tensor) -> torch.Tensor:
+        with native_gemm("avx512"):
+            return fp8_matmul(xq, w, copy)
+
+    return run
 
 
 def forms(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -64,7 +76,10 @@ def forms(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         "_scaled_mm": lambda xq: scaled_mm_products(xq, w),
     }
     if copy.dtype == torch.bfloat16:
-        fb = fbgemm_copy(w)
+        if fp8_cpu.isas()[0] == fp8_cpu.AMX:
+            out["kernel, vdpbf16ps only"] = without_amx(w, copy)
+        with native_gemm("0"):
+            fb = fp8_compute_copy(w)
         out["FBGEMM fp16 copy"] = lambda xq: fp8_matmul(xq, w, fb)
     try:
         from vllm import _custom_ops as ops
@@ -88,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     fns = forms(w)
     print(
         f"FP8 weight {args.rows} x {args.cols}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"compute copy: {FORM_NAMES[fp8_compute_copy(w).dtype]}"
+        f"compute copy: {FORM_NAMES[fp8_compute_copy(w).dtype]} {' / '.join(fp8_cpu.isas())}"
     )
     for t in args.tokens:
         xq = (torch.randn(t, args.cols, generator=g) * 40).clamp(-240, 240).to(FP8_DTYPE)

@@ -157,6 +157,11 @@ def scaled_mm_products(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
 
 
+def _rows(weight: torch.Tensor) -> int:
+    """Output rows of an FP8 matrix, row-major or one expert's `to_kernel_layout` tiles."""
+    return weight.shape[0] if weight.dim() == 2 else weight.shape[1] * weight.shape[3]
+
+
 def fp8_matmul(xq: torch.Tensor, weight: torch.Tensor, compute: torch.Tensor | None = None) -> torch.Tensor:
     """The FP8 x FP8 products with fp32 accumulation, [T, N] float32, for FP8 activations xq [T, K] and the FP8
     weight [N, K] (or one expert's `to_kernel_layout` tiles, with a compute copy): from its compute copy
@@ -165,8 +170,7 @@ def fp8_matmul(xq: torch.Tensor, weight: torch.Tensor, compute: torch.Tensor | N
     if weight.is_cuda and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0:
         return scaled_mm_products(xq, weight)
     if compute is not None and compute.dtype == torch.bfloat16:
-        rows = weight.shape[0] if weight.dim() == 2 else weight.shape[1] * weight.shape[3]  # row-major or tiles
-        return fp8_cpu.products(xq, compute, rows)
+        return fp8_cpu.products(xq, compute, _rows(weight))
     xf = fp8_to_float32(xq) if xq.dtype == FP8_DTYPE else xq.float()
     if compute is not None:
         if compute.dtype == torch.float32:
@@ -201,6 +205,8 @@ def fp8_linear(
     weight's `fp8_compute_copy` (or None).
     """
     xq, s_tok = quantize_per_token(x)
+    if compute is not None and compute.dtype == torch.bfloat16:  # the AVX-512 BF16 kernel applies them as it stores
+        return fp8_cpu.products(xq, compute, _rows(weight), s_tok=s_tok, row_scale=row_scale, bias=bias)
     acc = fp8_matmul(xq, weight, compute)
     y = acc * s_tok[:, None] * row_scale[None, :]
     return y if bias is None else y + bias.float()
@@ -359,14 +365,14 @@ def fp8_experts(
         fp8 = w.dtype == FP8_DTYPE
         xq, s_tok = quantize_per_token(rows) if fp8 else (rows.float(), None)
         if fp8 and c is not None and c[0].dtype == torch.bfloat16:  # the AVX-512 BF16 kernel: every expert at once
-            bounds = [0] + [end for _, end in spans]
-            acc = fp8_cpu.products(xq, [c[e] for e, _ in spans], scale.shape[-1], bounds)
-            spans_left = []
-        else:
-            acc = torch.empty(rows.shape[0], scale.shape[-1], dtype=torch.float32, device=rows.device)
-            spans_left = spans
+            used = [e for e, _ in spans]
+            return fp8_cpu.products(
+                xq, [c[e] for e in used], scale.shape[-1], [0] + [end for _, end in spans], s_tok=s_tok,
+                row_scale=[scale[e] for e in used], bias=None if bias is None else [bias[e] for e in used],
+            )  # fmt: skip
+        acc = torch.empty(rows.shape[0], scale.shape[-1], dtype=torch.float32, device=rows.device)
         start = 0
-        for e, end in spans_left:
+        for e, end in spans:
             copy = None if c is None else c[e]
             m = w[e] if copy is not None or w.dim() == 3 else from_kernel_layout(w[e])
             if fp8:

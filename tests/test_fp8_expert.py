@@ -120,12 +120,31 @@ def _avx512_bf16_kernel() -> None:
     from vllm_trn_plugin.kernels import fp8_cpu
 
     if fp8_cpu.kernel() is None:
-        flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-        assert " avx512_bf16" not in flags, "this CPU has AVX-512 BF16 but the compiled FP8 kernel did not load"
+        assert " avx512_bf16" not in _cpu_flags(), "this CPU has AVX-512 BF16 but the compiled FP8 kernel did not load"
         pytest.skip("this CPU has no AVX-512 BF16: its FP8 layers compute from FBGEMM's copy")
 
 
-PATHS = ["AVX-512 BF16 copy", "FBGEMM copy", "fp32 copy", "fp8 only (row chunks)", "FP8 GEMM (_scaled_mm)"]
+def _cpu_flags() -> str:
+    return Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+
+
+ISAS = ["amx-bf16", "avx512-bf16"]
+
+
+def _native_isa(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the compiled kernel compute on `isa` (VLLM_TRN_NATIVE_GEMM): skip where this CPU lacks it, fail where it
+    has it and the kernel cannot use it."""
+    from vllm_trn_plugin.kernels import fp8_cpu
+
+    monkeypatch.setenv(envs.NATIVE_GEMM, "1" if isa == "amx-bf16" else "avx512")
+    _avx512_bf16_kernel()
+    if isa not in fp8_cpu.isas():
+        assert " amx_bf16" not in _cpu_flags(), "this CPU and OS have AMX but the FP8 kernel cannot use it"
+        pytest.skip("this CPU has no AMX: its FP8 layers compute with vdpbf16ps")
+    assert fp8_cpu.isas()[0] == isa
+
+
+PATHS = ["AMX copy", "AVX-512 BF16 copy", "FBGEMM copy", "fp32 copy", "fp8 only (row chunks)", "FP8 GEMM (_scaled_mm)"]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -138,17 +157,17 @@ def test_fp8_products_exact_on_every_path(path: str, monkeypatch: pytest.MonkeyP
     from vllm_trn_plugin.kernels import fp8_expert as f
 
     monkeypatch.setattr(f, "_CHUNK_ELEMS", 7 * 256)  # several chunks and a short last one below
-    if path == "AVX-512 BF16 copy":
-        _avx512_bf16_kernel()
+    if path in ("AMX copy", "AVX-512 BF16 copy"):
+        _native_isa("amx-bf16" if path == "AMX copy" else "avx512-bf16", monkeypatch)
     if path == "FBGEMM copy":
         monkeypatch.setenv(envs.NATIVE_GEMM, "0")
         if not f._fbgemm_fp16():
             pytest.skip("this torch has no exact FBGEMM fp16 GEMM: its FP8 layers hold fp32 copies")
 
     def products(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if path in ("AVX-512 BF16 copy", "FBGEMM copy"):
+        if path in ("AMX copy", "AVX-512 BF16 copy", "FBGEMM copy"):
             copy = f.fp8_compute_copy(w)
-            assert copy.dtype == (torch.bfloat16 if path == "AVX-512 BF16 copy" else torch.uint8)
+            assert copy.dtype == (torch.uint8 if path == "FBGEMM copy" else torch.bfloat16)
             return f.fp8_matmul(xq, w, copy)
         if path == "fp32 copy":
             return f.fp8_matmul(xq, w, w.float())
@@ -171,14 +190,17 @@ def test_fp8_products_exact_on_every_path(path: str, monkeypatch: pytest.MonkeyP
     assert torch.equal(got.double(), xq.double() @ w.double().t())
 
 
-def test_avx512_bf16_kernel_on_every_tile_shape() -> None:
-    """The dot-product kernel's tiles (16 rows by a k pair per vector, up to 4 row blocks by 8 tokens per tile, 64
-    tokens per work item): rows, columns and tokens that fill no tile (odd K, a short last row block, 9 and 130
-    tokens), an empty batch, and activations with a row stride (a slice): the float64 products, bit for bit."""
+@pytest.mark.parametrize("isa", ISAS)
+def test_native_kernel_on_every_tile_shape(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dot-product kernel's tiles (vdpbf16ps: 16 rows by a k pair per vector, up to 4 row blocks by 8 tokens;
+    AMX: 4 row blocks by up to 16 tokens by 32 k; 64 tokens per work item): rows, columns and tokens that fill no
+    tile (odd K, K not a multiple of 32, a short last row block, 9, 17 and 130 tokens), an empty batch, and
+    activations with a row stride (a slice): the float64 products, bit for bit."""
     from vllm_trn_plugin.kernels import fp8_cpu
 
-    _avx512_bf16_kernel()
-    for t, n, k in [(0, 16, 4), (1, 1, 1), (3, 17, 3), (9, 100, 77), (130, 65, 256), (8, 200, 64)]:
+    _native_isa(isa, monkeypatch)
+    cases = [(0, 16, 4), (1, 1, 1), (3, 17, 3), (9, 100, 77), (130, 65, 256), (8, 200, 64), (17, 33, 96)]
+    for t, n, k in cases + [(16, 1000, 1024), (2, 48, 80)]:
         x, w = _integer_operands(t, n, k + 6, seed=t + n + k)
         xq = x.to(torch.float8_e4m3fn)[:, 3 : 3 + k]  # a row stride k + 6
         got = fp8_cpu.products(xq, fp8_cpu.pack(w[:, 3 : 3 + k]), n)
@@ -187,15 +209,16 @@ def test_avx512_bf16_kernel_on_every_tile_shape() -> None:
         fp8_cpu.products(xq, fp8_cpu.pack(w[:, :10]), n)
 
 
-def test_avx512_bf16_kernel_groups_rows_by_expert() -> None:
+@pytest.mark.parametrize("isa", ISAS)
+def test_native_kernel_groups_rows_by_expert(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One call for a layer's experts (fp8_experts): rows bounds[g] .. bounds[g+1] multiply copy g, empty groups and
     groups longer than a work item's 64 tokens included, each the float64 products of its own matrix; bounds that
     do not cover the rows in order are refused."""
     from vllm_trn_plugin.kernels import fp8_cpu
 
-    _avx512_bf16_kernel()
-    x, _ = _integer_operands(150, 1, 77, seed=5)
-    ws = [_integer_operands(1, 40, 77, seed=6 + g)[1] for g in range(5)]
+    _native_isa(isa, monkeypatch)
+    x, _ = _integer_operands(150, 1, 96, seed=5)
+    ws = [_integer_operands(1, 40, 96, seed=6 + g)[1] for g in range(5)]
     bounds = [0, 3, 3, 70, 71, 150]
     xq = x.to(torch.float8_e4m3fn)
     got = fp8_cpu.products(xq, [fp8_cpu.pack(w) for w in ws], 40, bounds)
@@ -205,6 +228,46 @@ def test_avx512_bf16_kernel_groups_rows_by_expert() -> None:
     for bad in ([0, 3, 2, 70, 71, 150], [0, 3, 3, 70, 149], [1, 3, 3, 70, 71, 150]):
         with pytest.raises(ValueError, match="ascending row offsets"):
             fp8_cpu.products(xq, [fp8_cpu.pack(w) for w in ws], 40, bad)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_native_kernel_applies_scales_and_bias_as_torch_does(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's epilogue, (sum * s_tok[t]) * row_scale[r] + bias[r] in fp32 as it stores (what fp8_linear and the
+    routed experts take from it): bit for bit torch's ops on the kernel's own sums, for rows that fill no vector, any
+    subset of the three, one scale and bias vector per expert, a bf16 bias, and an infinite or NaN scale propagating
+    as torch's does. A fused multiply-add, a reordered product or a missed mask would fail."""
+    from vllm_trn_plugin.kernels import fp8_cpu
+
+    _native_isa(isa, monkeypatch)
+    g = torch.Generator().manual_seed(9)
+    t, n, k, groups = 19, 45, 96, 3
+    xq, _ = quantize_per_token(torch.randn(t, k, generator=g))
+    ws = [(torch.randn(n, k, generator=g) * 30).to(torch.float8_e4m3fn) for _ in range(groups)]
+    copies, bounds = [fp8_cpu.pack(w) for w in ws], [0, 7, 7, t]
+    s_tok = torch.rand(t, generator=g) * 1e-2
+    s_tok[3] = float("inf")
+    scales = [torch.rand(n, generator=g) * 1e-3 for _ in range(groups)]
+    scales[0][5] = float("nan")
+    biases = [torch.randn(n, generator=g).to(torch.bfloat16) for _ in range(groups)]
+    sums = fp8_cpu.products(xq, copies, n, bounds)
+    rows = torch.repeat_interleave(torch.arange(groups), torch.tensor(bounds).diff())
+    per_row = {"row_scale": torch.stack(scales)[rows], "bias": torch.stack(biases)[rows].float()}
+    for given in [("s_tok",), ("row_scale",), ("bias",), ("s_tok", "row_scale"), ("s_tok", "row_scale", "bias")]:
+        want = sums
+        if "s_tok" in given:
+            want = want * s_tok[:, None]
+        if "row_scale" in given:
+            want = want * per_row["row_scale"]
+        if "bias" in given:
+            want = want + per_row["bias"]
+        kw = {"s_tok": s_tok, "row_scale": scales, "bias": biases}
+        got = fp8_cpu.products(xq, copies, n, bounds, **{name: kw[name] for name in given})
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=f"epilogue {given}")
+    one = fp8_cpu.products(xq[:7], copies[0], n, s_tok=s_tok[:7], row_scale=scales[0], bias=biases[0])
+    torch.testing.assert_close(one, sums[:7] * s_tok[:7, None] * scales[0] + biases[0].float(), rtol=0, atol=0,
+                               equal_nan=True)  # fmt: skip
+    with pytest.raises(ValueError, match="row_scale must be 3"):
+        fp8_cpu.products(xq, copies, n, bounds, row_scale=scales[:2])
 
 
 def test_fp8_linear_from_its_compute_copy_equals_the_definition() -> None:
@@ -222,16 +285,25 @@ def test_fp8_linear_from_its_compute_copy_equals_the_definition() -> None:
 
 def test_fp8_experts_with_compute_copies_equal_without() -> None:
     """The routed experts from their compute copies (made once from the kernel-layout stacks, as the MoE layer holds
-    them) equal the same experts converting their weights per call, token for token."""
+    them) equal the same experts converting their weights per call, bit for bit. Every sum is exact in fp32 (integer
+    activations and gate/up weights, down rows with one nonzero each, at scattered columns), so the paths' different
+    accumulation orders cannot part them while a misplaced weight in either layout, or a scale or bias applied to
+    the wrong expert's rows, would."""
     from vllm_trn_plugin.kernels.fp8_expert import expert_compute_copies, to_kernel_layout
 
-    E = 4
-    plain, x, wts, ids = random_routed_experts(5, E, 256, 128, 11, 2)
+    E, H, I, T = 4, 256, 128, 11
+    plain, _, wts, ids = random_routed_experts(5, E, H, I, T, 2)
+    x, _ = _integer_operands(T, 1, H, seed=6)
+    w13 = torch.stack([_integer_operands(1, 2 * I, H, seed=7 + e)[1] for e in range(E)])
+    g = torch.Generator().manual_seed(8)
+    w2 = torch.zeros(E, H, I)
+    w2.scatter_(2, torch.randint(0, I, (E, H, 1), generator=g), torch.randn(E, H, 1, generator=g) * 30)
+    plain = plain._replace(w13=w13, w2=w2.to(torch.float8_e4m3fn))
     tiled = plain._replace(w13=to_kernel_layout(plain.w13), w2=to_kernel_layout(plain.w2))
     copies = expert_compute_copies(tiled)
     assert copies is not None and len(copies[0]) == len(copies[1]) == E
     want = fp8_experts(x, wts, ids, plain)
-    torch.testing.assert_close(fp8_experts(x, wts, ids, tiled, copies), want, rtol=1e-6, atol=1e-6)
+    assert want.abs().amax() > 0 and torch.equal(fp8_experts(x, wts, ids, tiled, copies), want)
 
 
 def test_fp8_residency_option(monkeypatch: pytest.MonkeyPatch) -> None:

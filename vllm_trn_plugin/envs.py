@@ -13,7 +13,10 @@ FP8_RESIDENCY = (
 FP8_RESIDENCY_MODES = ("copy", "fp8")
 NO_TCMALLOC = "VLLM_TRN_NO_TCMALLOC"  # "1": `vllm-trn serve` leaves the allocator alone (no tcmalloc preload)
 NATIVE_EXPAND = "VLLM_TRN_NATIVE_EXPAND"  # "0": MXFP4 -> FP8 expansion on torch ops, not the compiled loop
-NATIVE_GEMM = "VLLM_TRN_NATIVE_GEMM"  # "0": CPU FP8 layers never use the compiled AVX-512 BF16 kernel
+# 1 | avx512 | 0: CPU FP8 layers multiply with the compiled kernel (kernels/fp8_cpu.py) on AMX where the CPU has it,
+# on AVX-512 BF16 only, or not at all
+NATIVE_GEMM = "VLLM_TRN_NATIVE_GEMM"
+NATIVE_GEMM_MODES = ("1", "avx512", "0")
 
 
 def _flag(name: str, default: str = "0") -> bool:
@@ -35,8 +38,11 @@ def native_expand() -> bool:
     return _flag(NATIVE_EXPAND, "1")
 
 
-def native_gemm() -> bool:
-    return _flag(NATIVE_GEMM, "1")
+def native_gemm() -> str:
+    value = os.environ.get(NATIVE_GEMM, "1")
+    if value not in NATIVE_GEMM_MODES:
+        raise ValueError(f"{NATIVE_GEMM}={value!r}: expected one of {', '.join(NATIVE_GEMM_MODES)}")
+    return value
 
 
 def kernels() -> str:
