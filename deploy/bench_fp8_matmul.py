@@ -7,14 +7,14 @@ Run (from the repository root)::
 
 Each form computes sum_k xq[t, k] * w[n, k] for FP8 activations xq [T, K] and an FP8 weight w [N, K], in fp32:
 - `per-call upcast`: w converted to fp32 on every call (what fp8_linear did before compute copies);
-- `fp8 only (chunks)`: kernels/fp8_expert.fp8_matmul without a copy (VLLM_TRN_FP8_RESIDENCY=fp8): row chunks;
+- `fp8 only (chunks)`: kernels/fp8.fp8_matmul without a copy (VLLM_TRN_FP8_RESIDENCY=fp8): row chunks;
 - `fp32 copy`: an fp32 copy held once (4 bytes per weight; the fallback where FBGEMM is missing);
 - `bf16 copy, bf16 out`: a bf16 copy and a bf16 GEMM: exact products, but its output is rounded to bf16 (not the
   definition: shown for its speed only);
 - `vLLM oneDNN bf16`: what a bf16 engine computes the same layer with (vLLM's prepacked oneDNN GEMM, bf16 in and
   out: also not the definition); the packed engine's decode time against the bf16 engine's follows from this row
   against `compute copy` (docs/fp8.md). Left out where vLLM's CPU ops are missing;
-- `compute copy`: kernels/fp8_expert.fp8_compute_copy, what a CPU layer computes with: on CPUs with AVX-512 BF16
+- `compute copy`: kernels/fp8.fp8_compute_copy, what a CPU layer computes with: on CPUs with AVX-512 BF16
   the compiled kernel's packed bf16 copy (kernels/fp8_cpu.py: AMX where the CPU has it), else FBGEMM's packed fp16
   (2 bytes per weight either way, fp32 accumulation);
 - `kernel, vdpbf16ps only`: the same copy on AVX-512 BF16 alone (VLLM_TRN_NATIVE_GEMM=avx512), where AMX is there;
@@ -38,7 +38,7 @@ import torch
 
 from vllm_trn_plugin import envs
 from vllm_trn_plugin.kernels import fp8_cpu
-from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, fp8_compute_copy, fp8_matmul, scaled_mm_products
+from vllm_trn_plugin.kernels.fp8 import FP8_DTYPE, fp8_compute_copy, fp8_matmul, scaled_mm_products
 
 FORM_NAMES = {torch.bfloat16: "compiled kernel", torch.uint8: "FBGEMM fp16", torch.float32: "fp32"}
 

@@ -27,7 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_trn_plugin.bench.local import scratch_dir, serve_demo, vllm_trn_command
+from harness import scratch_dir
+
+from vllm_trn_plugin.bench.local import serve_demo, vllm_trn_command
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

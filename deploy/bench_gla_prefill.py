@@ -6,7 +6,8 @@ Run (from the repository root; about 1-2 minutes on a 2-core CPU machine)::
 
 Options: `--help`. The step is what vLLM's chunked prefill schedules when a long prompt shares a
 step with many short ones: one 4096-token chunk plus 64 prompts of 64 tokens (`--long`, `--short`,
-`--num-short`), each sequence continuing from a random state. Kernels (`kernels/simple_gla.py`):
+`--num-short`), each sequence continuing from a random state. Kernels (`kernels/simple_gla.py`,
+`kernels/causal_conv1d.py`):
 - `gla`: `simple_gla_chunked_prefill` at Laplace 3B's head geometry (head_k_dim 96, head_v_dim 192);
   `--heads` defaults to 4, not the model's 16, to keep the run short on 2 cores (its cost is linear
   in the heads); fp32 inputs (it computes in fp32 whatever the input dtype);
@@ -30,7 +31,8 @@ figures per variant, the ratios mixed / separate (target <= 1.2: a step costs wh
 cost), and the largest difference between the two variants' outputs (they must agree).
 
 `--module NAME` benchmarks the two functions of another importable module instead of the plugin's
-`vllm_trn_plugin.kernels.simple_gla` (an earlier version of it on PYTHONPATH, for before/after figures;
+`kernels/simple_gla.py` and `kernels/causal_conv1d.py` (an earlier `simple_gla.py`, which held both, on PYTHONPATH,
+for before/after figures;
 docs/kernels.md has the commands). The machines are noisy and shared: compare the ratios measured side by
 side in one run, not absolute seconds across runs.
 """
@@ -52,8 +54,10 @@ import torch
 
 from vllm_trn_plugin.kernels import simple_gla
 
-MODULE = "vllm_trn_plugin.kernels.simple_gla"
-KERNELS = {"gla": "simple_gla_chunked_prefill", "conv": "causal_conv1d_prefill"}
+KERNELS = {  # kernel: (its module in the plugin, the function)
+    "gla": ("vllm_trn_plugin.kernels.simple_gla", "simple_gla_chunked_prefill"),
+    "conv": ("vllm_trn_plugin.kernels.causal_conv1d", "causal_conv1d_prefill"),
+}
 VARIANTS = ("mixed", "separate", "whole")
 CONV_WIDTH = 4
 MiB = 1 << 20
@@ -71,17 +75,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
     p.add_argument("--repeats", type=int, default=3, help="timed runs per variant, best kept (default 3)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's, the core count)")
-    p.add_argument("--module", default=MODULE, help=f"the module whose kernels to benchmark (default {MODULE})")
+    p.add_argument("--module", help="one module holding both kernels to benchmark (default: the plugin's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench-out/bench_gla_prefill.json"))
     p.add_argument("--child", nargs=2, metavar=("KERNEL", "VARIANT"), help=argparse.SUPPRESS)  # one memory run
     return p.parse_args(argv)
 
 
-def load_kernel(module: str, kernel: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    fn = getattr(importlib.import_module(module), KERNELS[kernel], None)
+def load_kernel(module: str | None, kernel: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    own, name = KERNELS[kernel]
+    fn = getattr(importlib.import_module(module or own), name, None)
     if fn is None:
-        raise SystemExit(f"--module {module}: defines no {KERNELS[kernel]}")
+        raise SystemExit(f"--module {module}: defines no {name}")
     return fn
 
 
@@ -180,7 +185,7 @@ def bench_kernel(args: argparse.Namespace, argv: list[str], kernel: str) -> dict
     growth = {v: peak_memory(argv, kernel, v) for v in VARIANTS}
     best = {v: min(ts) for v, ts in times.items()}
     mem = {v: sum(g) for v, g in growth.items()}
-    print(f"\n{kernel}: {KERNELS[kernel]}")
+    print(f"\n{kernel}: {KERNELS[kernel][1]}")
     print(f"{'variant':<10} {'calls':>5} {'best s':>8}  {'runs s':<22} {'peak RSS growth MiB: sum (largest call)':>40}")
     for v in VARIANTS:
         runs = " ".join(f"{t:.3f}" for t in times[v])
@@ -217,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         child(args)
         return
-    kernel_src = args.module
+    kernel_src = args.module or "the plugin"
     T, N = args.long + args.short * args.num_short, 1 + args.num_short
     print(
         f"step: 1 x {args.long} + {args.num_short} x {args.short} tokens (T={T}, N={N}); "

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_trn_plugin.bench.local import save_result, scratch_dir
+from harness import save_result, scratch_dir
 
 # --flag -> (LaplaceConfig field, benchmarked value). The benchmarked geometry is the demo's structure scaled up as
 # far as a 2-core machine allows in a few minutes (~100M parameters; per layer H * d_v = D as in the 3B model).

@@ -46,9 +46,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from harness import scratch_dir
 
 from vllm_trn_plugin.bench.client import RequestResult, Target, stream_request
-from vllm_trn_plugin.bench.local import LocalServer, scratch_dir, serve_demo, vllm_trn_command
+from vllm_trn_plugin.bench.local import LocalServer, serve_demo, vllm_trn_command
 from vllm_trn_plugin.bench.workload import RequestSpec
 
 # Idle servers must not spin on the cores the measured one uses: OpenMP's threads sleep when they wait.

@@ -33,8 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from vllm_trn_plugin.bench.local import save_result, scratch_dir
+from harness import save_result, scratch_dir
 
 MODELS = ("laplace", "mla-trinity")
 

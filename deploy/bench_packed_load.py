@@ -65,11 +65,26 @@ print("RESULT" + json.dumps({"ready_s": ready, "peak_rss": hwm, "expert_bytes": 
 """
 
 
+def worker_memory(model: torch.nn.Module) -> dict[str, int]:
+    """For `LLM.apply_model` (shipped to the workers by value: this script is the child's __main__): the bytes of the
+    parameters the worker holds, of its routed experts, its anonymous resident memory (RssAnon) and its peak RSS
+    (VmHWM, file pages included)."""
+    status = {}
+    for line in open("/proc/self/status"):
+        if line.startswith(("Vm", "Rss")):
+            status[line.split(":")[0]] = int(line.split()[1]) * 1024
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    experts = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if ".experts." in n and (".w13_" in n or ".w2_" in n)
+    )
+    return {"param_bytes": params, "expert_bytes": experts, "rss_anon": status["RssAnon"], "peak_rss": status["VmHWM"]}
+
+
 def child_per_rank(ckpt: str, tp: int) -> None:
     """The child process of part 3 (this script with --child-tp): one engine, each worker's figures on stdout."""
     from vllm import LLM
-
-    from vllm_trn_plugin.bench.local import worker_memory
 
     llm = LLM(
         model=ckpt,

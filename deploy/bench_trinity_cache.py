@@ -227,7 +227,7 @@ def collect_specs(vc) -> tuple[dict, list]:  # noqa: ANN001
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
-    from vllm_trn_plugin.bench.kv_specs import layer_specs
+    from vllm_trn_plugin.compat import layer_specs
 
     init_dist(vc, vc.parallel_config.tensor_parallel_size)
     cls, _ = get_model_architecture(vc.model_config)
@@ -532,7 +532,7 @@ def theory_fp8(geo: dict[str, Any], context: int, latent_bytes: int | None, slid
 def fp8_figures(root: Path, geo: dict[str, Any], context: int, budgets: list[int], mnbts: list[int]) -> dict[str, Any]:
     """Each variant built on `meta` under its own config (the latent's dtype comes from `latent_cache_dtype`), sized
     by vLLM at the raw budget and at the budget left once the model's build reserved the scale stores."""
-    from vllm_trn_plugin.model_executors.latent_attention import reserve_key_scale_budget
+    from vllm_trn_plugin.model_executors.latent_cache import reserve_key_scale_budget
 
     dtype, out = "bfloat16", {}
     ckpts = {key: write_config(root / key, arch, {**geo, **({"kv_lora_rank": KV_LORA_RANK} if key == "mla" else {})},

@@ -84,7 +84,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_trn_plugin.bench import local
+import harness as local
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"mla": "TrinityMLAForCausalLM", "afmoe": "AfmoeForCausalLM"}
@@ -148,7 +148,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# Child: one vLLM engine, driven by JSON lines on stdin; answers go out through bench.local.answer
+# Child: one vLLM engine, driven by JSON lines on stdin; answers go out through harness.answer
 # --------------------------------------------------------------------------------------------
 
 

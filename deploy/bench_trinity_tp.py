@@ -75,7 +75,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_trn_plugin.bench import local
+import harness as local
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = {"tp1": 1, "tp2": 2}  # key -> tensor_parallel_size
@@ -118,7 +118,7 @@ def prompts_for(seed: int, batch: int, length: int) -> list[list[int]]:
 
 
 # --------------------------------------------------------------------------------------------
-# Child: one vLLM engine, driven by JSON lines on stdin; answers go out through bench.local.answer
+# Child: one vLLM engine, driven by JSON lines on stdin; answers go out through harness.answer
 # --------------------------------------------------------------------------------------------
 
 

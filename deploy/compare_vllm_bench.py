@@ -64,7 +64,7 @@ def vllm_args(a: argparse.Namespace, base_url: str, model: str, load: tuple[str,
 
 def write_vllm_workload(a: argparse.Namespace, base_url: str, model: str, path: Path) -> list[int]:
     """Draw vLLM's random dataset as `vllm bench serve` does and write it as JSONL; return prompt lengths."""
-    from vllm_trn_plugin.cli import ensure_vllm_version_lookup
+    from vllm_trn_plugin.compat import ensure_vllm_version_lookup
 
     ensure_vllm_version_lookup()
     import vllm_trn_plugin

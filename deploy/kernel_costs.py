@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 from vllm_trn_plugin.kernels import fp8_expert_nki, latent_decode_nki, simple_gla_nki
-from vllm_trn_plugin.kernels.fp8_expert import ExpertWeights, quantize_per_token
+from vllm_trn_plugin.kernels.fp8 import quantize_per_token
+from vllm_trn_plugin.kernels.fp8_expert import ExpertWeights
 from vllm_trn_plugin.kernels.latent_decode import AbsorbedWeights, PagedLatents
 from vllm_trn_plugin.kernels.nki_shim import nki, simulate
 

@@ -103,7 +103,7 @@ pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 
 # tcmalloc, which `vllm-trn serve` preloads when installed (vLLM's CPU install guide asks for it: glibc's
 # malloc keeps the memory the CPU worker frees). Debian/Ubuntu: libtcmalloc-minimal4.
-have_tcmalloc() { "$VENV/bin/python" -c 'import sys; from vllm_trn_plugin.cli import tcmalloc_library as t; sys.exit(t() is None)'; }
+have_tcmalloc() { "$VENV/bin/python" -c 'import sys; from vllm_trn_plugin.compat import tcmalloc_library as t; sys.exit(t() is None)'; }
 install_tcmalloc() { apt-get install -y -q libtcmalloc-minimal4 || { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; }; }
 if have_tcmalloc; then
     echo "tcmalloc: installed"

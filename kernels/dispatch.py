@@ -28,13 +28,8 @@ import torch
 
 from vllm_trn_plugin import envs
 from vllm_trn_plugin.kernels import nki_ops
-from vllm_trn_plugin.kernels.fp8_expert import (
-    FP8_DTYPE,
-    ExpertWeights,
-    quantize_per_token,
-    row_linear,
-    scaled_mm_products,
-)
+from vllm_trn_plugin.kernels.fp8 import FP8_DTYPE, quantize_per_token, row_linear, scaled_mm_products
+from vllm_trn_plugin.kernels.fp8_expert import ExpertWeights
 from vllm_trn_plugin.kernels.fp8_expert import fp8_experts as fp8_experts_torch
 from vllm_trn_plugin.kernels.latent_decode import AbsorbedWeights, PagedLatents, latent_decode_torch
 from vllm_trn_plugin.kernels.simple_gla import simple_gla_decode_step
@@ -177,8 +172,8 @@ def _fp8_linear(
     bias: torch.Tensor | None = None,
     compute: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A quantized linear layer (fp8_expert.row_linear): float32 [T, N] from the weight's compute copy where it has
-    one (fp8_expert.fp8_compute_copy). One opaque node in a compiled graph: the copy is an FBGEMM handle no tracer
+    """A quantized linear layer (fp8.row_linear): float32 [T, N] from the weight's compute copy where it has
+    one (fp8.fp8_compute_copy). One opaque node in a compiled graph: the copy is an FBGEMM handle no tracer
     can read."""
     return row_linear(x, weight, row_scale, bias, compute)
 
@@ -263,7 +258,7 @@ def fp8_linear(
     compute: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A quantized linear layer (dense MLPs, shared experts, the LM head): float32 [T, N] =
-    (Q(x) @ weight^T) * s_tok * row_scale + bias (fp8_expert.fp8_linear). On Neuron the FP8 operands enter the graph
+    (Q(x) @ weight^T) * s_tok * row_scale + bias (fp8.fp8_linear). On Neuron the FP8 operands enter the graph
     as torch's FP8 GEMM (`_scaled_mm`, unit scales, fp32 out; the scales applied after, in fp32), never as a
     conversion of the weight; elsewhere the `trn::fp8_linear` op, from the weight's compute copy on CPU."""
     if graph_kernels(x.device):

@@ -1,7 +1,7 @@
 """The CPU's compiled FP8 helpers (C, vllm_trn_plugin/native.py): per-token quantization, and the FP8 x FP8 products
-(fp8_expert.fp8_matmul, fp8_linear) on CPUs with AVX-512 BF16, on AMX where present.
+(fp8.fp8_matmul, fp8_linear) on CPUs with AVX-512 BF16, on AMX where present.
 
-`quantize` is fp8_expert.quantize_per_token's formula in one pass over a row, where torch takes ten ops (~30 us for
+`quantize` is fp8.quantize_per_token's formula in one pass over a row, where torch takes ten ops (~30 us for
 a decode step's row, most of an FP8 layer's overhead): the same fp32 operations in the same order (compiled without
 floating-point contraction, so nothing is fused or reordered), and the fp32 -> E4M3 rounding (round to nearest,
 ties to even) written out on the bits. A row holding a NaN or an infinity is left to torch (None), whose NaN
@@ -23,13 +23,13 @@ CPU has AMX (Intel's tile unit, Sapphire Rapids on) the same copy feeds `TDPBF16
 being one weight tile, and the same products (bf16 operands, flush-to-zero never acting, fp32 sums) cost a 16-token
 step what one token does. `VLLM_TRN_NATIVE_GEMM=avx512` keeps to `vdpbf16ps`.
 
-The scales and bias of fp8_expert.fp8_linear are applied as the sums are stored, in its fp32 order ((sum x s_tok)
+The scales and bias of fp8.fp8_linear are applied as the sums are stored, in its fp32 order ((sum x s_tok)
 x row_scale + bias, no fused multiply-add): bit for bit torch's three ops, without their passes over the output.
 Oracles: the float64 products, bit for bit on sums exact in fp32, torch's ops for the epilogue and torch's
 quantize_per_token, bit for bit (tests/test_fp8_expert.py).
 
 `kernel()` is None where the CPU lacks AVX-512 BF16, no C compiler is found, the compile fails or
-`VLLM_TRN_NATIVE_GEMM=0`; fp8_expert.fp8_compute_copy then makes FBGEMM's copy. `quantize` runs torch's ops where
+`VLLM_TRN_NATIVE_GEMM=0`; fp8.fp8_compute_copy then makes FBGEMM's copy. `quantize` runs torch's ops where
 the library is missing or VLLM_TRN_NATIVE_GEMM=0.
 """
 
@@ -363,7 +363,7 @@ def isas() -> tuple[str, ...]:
 
 
 def quantize(x: torch.Tensor, floor: float, inv_max: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """fp8_expert.quantize_per_token of a CPU x [T, K] (fp32 or bf16, unit column stride) in one pass: (codes, s_tok),
+    """fp8.quantize_per_token of a CPU x [T, K] (fp32 or bf16, unit column stride) in one pass: (codes, s_tok),
     bit for bit; `floor` and `inv_max` are its AMAX_FLOOR and fp32(1 / 240). None where it does not apply (the
     library missing or switched off, another dtype or layout, a NaN or an infinity in x): the caller runs torch."""
     if torch.compiler.is_compiling() or type(x) is not torch.Tensor or torch._C._len_torch_dispatch_stack():
@@ -438,7 +438,7 @@ def products(
     of copies of one shape and `bounds` (one more row offset than copies, 0 to T), rows bounds[g] .. bounds[g+1] of
     xq multiply copies[g]: a layer's experts in one call.
 
-    Given, the scales and bias apply to each sum as fp8_expert.fp8_linear writes them, in fp32 and in order:
+    Given, the scales and bias apply to each sum as fp8.fp8_linear writes them, in fp32 and in order:
     (sum * s_tok[t]) * row_scale[r] + bias[r], bit for bit torch's ops on the sums; `row_scale` and `bias` are one
     [n] vector, or one per copy. Computed with `isas()[0]` (AMX takes K in whole 32s, else the call runs on
     AVX-512)."""

@@ -112,7 +112,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from vllm_trn_plugin.kernels.fp8_expert import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, ExpertWeights
+from vllm_trn_plugin.kernels.fp8 import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX
+from vllm_trn_plugin.kernels.fp8_expert import ExpertWeights
 from vllm_trn_plugin.kernels.nki_shim import nisa, nki, nl
 
 P = 128  # partitions

@@ -11,7 +11,7 @@ row_i = block_table[b, i // bs] * bs + i % bs. K and V are never formed: every c
 read once and used by both products; s_g,i = 1 / rms(W_k,g c_i) is the exact per-key norm scale
 the model computes once at cache-write time (model_executors/latent_attention.py).
 
-An FP8 latent cache (Trainium2 E4M3, |x| <= 240, `fp8_expert.quantize_per_token`: the activations' rounding, one
+An FP8 latent cache (Trainium2 E4M3, |x| <= 240, `fp8.quantize_per_token`: the activations' rounding, one
 scale per token from its absolute maximum, so no finite latent saturates or becomes NaN) stores each latent as codes
 c8_i with one float32 dequantization scale d_i per token (`latent_scales`): c_i = d_i * fp32(c8_i), and s_g,i is
 computed from that c_i (the latent as stored). d_i is per token like s_g,i, so the decode folds it into the two
@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, fp8_to_float32
+from vllm_trn_plugin.kernels.fp8 import FP8_DTYPE, fp8_to_float32
 
 DECODE_TILE = 2048  # keys per tile of the torch path (rounded to whole cache blocks)
 _workspace: dict[tuple[str, torch.dtype, torch.device, bool], torch.Tensor] = {}

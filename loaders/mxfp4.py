@@ -60,7 +60,7 @@ CT_PACKED_SUFFIX = ".weight_packed"
 CT_SCALE_SUFFIX = ".weight_scale"
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-ROW_HEADROOM = 5  # s_row = 2^(e_max - 5): the largest element 6 * 2^5 = 192 stays <= 240 (kernels/fp8_expert.FP8_MAX)
+ROW_HEADROOM = 5  # s_row = 2^(e_max - 5): the largest element 6 * 2^5 = 192 stays <= 240 (kernels/fp8.FP8_MAX)
 MAX_ROW_SPREAD = 13  # spread of nonzero block exponents that is exact whatever the codes
 E8M0_BIAS = 127  # scale byte = block exponent + 127
 _E8M0_NAN = 0xFF

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, FP8_MAX
+from vllm_trn_plugin.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from vllm_trn_plugin.loaders.io import (
     SHARD_BYTES,
     Checkpoint,
@@ -59,6 +59,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PACKED_FORMAT = "mxfp4-pack-quantized"
+QUANT_NAME = "trn-mxfp4-fp8"  # the vLLM quantization method that serves this format (model_executors/mxfp4_fp8*.py)
 LM_HEAD = "lm_head"
 # Module names (tensor name without ".weight") of the MLP/expert matrices: AFMoE/Trinity dense MLPs,
 # routed experts and shared experts, and Laplace's GLU FFN (W1 = gate_proj, W2 = up_proj, W3 = down_proj).

@@ -40,10 +40,12 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from vllm_trn_plugin.configs.laplace import LaplaceConfig
 from vllm_trn_plugin.kernels import dispatch
-from vllm_trn_plugin.kernels.simple_gla import (
+from vllm_trn_plugin.kernels.causal_conv1d import (
     causal_conv1d_prefill,
     causal_conv1d_prefill_padded,
     causal_conv1d_window_step,
+)
+from vllm_trn_plugin.kernels.simple_gla import (
     geometric_log_decay,
     simple_gla_chunked_prefill,
     simple_gla_prefill_padded,
@@ -311,8 +313,6 @@ class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMamb
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config: LaplaceConfig = vllm_config.model_config.hf_config
-        if vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise ValueError("LaplaceForCausalLM has no tensor-parallel layout: --tensor-parallel-size must be 1")
         self.config = config
         self.quant_config = vllm_config.quant_config
         self.model_dir = vllm_config.model_config.model

@@ -16,7 +16,7 @@ row-parallel one (down_proj, the experts' w2) its columns under the whole rows' 
 scale holds every part of it exactly) and the bias correction on rank 0 only, so that the all-reduce adds it
 once. Under expert parallelism a rank holds whole experts, those vLLM's expert map gives it.
 
-Every one computes kernels/fp8_expert.fp8_linear (per-token FP8 activations, FP8 x FP8, fp32
+Every one computes kernels/fp8.fp8_linear (per-token FP8 activations, FP8 x FP8, fp32
 accumulation, both scales on the accumulator's output, then the bias). Everything else (attention,
 norms, embeddings, routers) is unquantized. On the CPU platform each FP8 matrix also gets a compute copy at load
 (`fp8_compute`: FBGEMM's packed fp16 form, 2 bytes per weight beside the FP8 byte; docs/fp8.md), which the products
@@ -51,19 +51,17 @@ from vllm.platforms import current_platform
 
 from vllm_trn_plugin.envs import ALLOW_BF16, allow_bf16, fp8_residency
 from vllm_trn_plugin.kernels import dispatch
+from vllm_trn_plugin.kernels.fp8 import FP8_DTYPE, fp8_compute_copy
 from vllm_trn_plugin.kernels.fp8_expert import (
-    FP8_DTYPE,
     TILE,
     ExpertWeights,
     expert_compute_copies,
-    fp8_compute_copy,
     in_kernel_layout,
     to_kernel_layout,
 )
 from vllm_trn_plugin.loaders.io import CheckpointFormatError
 from vllm_trn_plugin.loaders.mxfp4 import ExpandedMatrix
-from vllm_trn_plugin.loaders.packed import Part, iter_checkpoint
-from vllm_trn_plugin.model_executors.mxfp4_fp8_config import QUANT_NAME
+from vllm_trn_plugin.loaders.packed import QUANT_NAME, Part, iter_checkpoint
 
 logger = init_logger(__name__)
 
@@ -353,7 +351,7 @@ _EXPERT_PARAMS = (
 
 
 def compute_copy(weight: torch.Tensor) -> torch.Tensor | None:
-    """The CPU's compute copy of a quantized layer's matrix (fp8_expert.fp8_compute_copy), made once at load: None on
+    """The CPU's compute copy of a quantized layer's matrix (fp8.fp8_compute_copy), made once at load: None on
     a device platform (its FP8 GEMM reads the FP8 weight) and under FP8-only residency (VLLM_TRN_FP8_RESIDENCY=fp8:
     no copy, each call converts the matrix in row chunks)."""
     if not current_platform.is_cpu() or fp8_residency() != "copy":

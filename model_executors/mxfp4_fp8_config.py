@@ -30,13 +30,13 @@ from vllm_trn_plugin.loaders.packed import (
     DEFAULT_MATRIX_PATTERN,
     LM_HEAD,
     PACKED_FORMAT,
+    QUANT_NAME,
     StoredWeight,
     declares_packed,
     stored_weights,
 )
+from vllm_trn_plugin.models import MODELS
 
-QUANT_NAME = "trn-mxfp4-fp8"
-ARCHITECTURES = ("TrinityMLAForCausalLM", "LaplaceForCausalLM")
 # The matrices the models serve in MXFP4: MLPs, shared and routed experts.
 _SERVED_MXFP4 = re.compile(DEFAULT_MATRIX_PATTERN)
 
@@ -98,7 +98,7 @@ class TrnMxfp4Fp8Config(QuantizationConfig):
     ) -> str | None:
         archs = getattr(hf_config, "architectures", None) or []
         if user_quant in (None, QUANT_NAME, "compressed-tensors") and declares_packed(hf_quant_cfg):
-            if any(a in ARCHITECTURES for a in archs):
+            if any(a in MODELS for a in archs):
                 return QUANT_NAME
         return None
 

@@ -31,7 +31,8 @@ from vllm.model_executor.models.afmoe import (
 from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_index, make_layers, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
-from vllm_trn_plugin.model_executors.latent_attention import TrinityLatentAttention, reserve_key_scale_budget
+from vllm_trn_plugin.model_executors.latent_attention import TrinityLatentAttention
+from vllm_trn_plugin.model_executors.latent_cache import reserve_key_scale_budget
 from vllm_trn_plugin.model_executors.mxfp4_fp8 import check_all_loaded, other_ranks_experts, packed_weights
 from vllm_trn_plugin.model_executors.mxfp4_fp8_config import TrnMxfp4Fp8Config
 
@@ -96,8 +97,6 @@ class TrinityMLAModel(nn.Module):
         config = vllm_config.model_config.hf_config
         if getattr(config, "kv_lora_rank", None) is None:
             raise ValueError("TrinityMLAForCausalLM: config.json needs `kv_lora_rank` (the latent width)")
-        if vllm_config.parallel_config.pipeline_parallel_size != 1:  # refused at config time (engine_checks.py)
-            raise ValueError("TrinityMLAForCausalLM: --pipeline-parallel-size must be 1 (no pipeline stages)")
         reserve_key_scale_budget(vllm_config)
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)

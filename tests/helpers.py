@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_trn_plugin.bench.ties import compare_greedy
+from vllm_trn_plugin.gate.ties import compare_greedy
 
 POOL_SLOTS = 40  # state pages in the session engine's pool
 MAX_NUM_SEQS = 64  # more than the pool holds: admission is limited by free pages
@@ -65,17 +65,6 @@ def trn2_recipe_argv(model: str, ckpt: str | Path = "/models/x", env: dict[str, 
         check=True,
     ).stdout
     return shlex.split(printed)
-
-
-def read_safetensors_dir(d: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every *.safetensors file in d."""
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
 
 
 def random_prompts(n: int, lengths: list[int], seed: int, vocab: int = 256) -> list[list[int]]:

@@ -629,7 +629,7 @@ def trn2_k8s_engine(model: str, root: Path = TRN2) -> tuple[int, dict[str, Any]]
 @pytest.mark.vllm
 @pytest.mark.parametrize("model,cores", [("laplace-3b", 1), ("mla-trinity", 2)])
 def test_trn2_recipe_parses_as_vllm_serve(model: str, cores: int, tmp_path: Path) -> None:
-    from vllm_trn_plugin.cli import ensure_vllm_version_lookup
+    from vllm_trn_plugin.compat import ensure_vllm_version_lookup
 
     ensure_vllm_version_lookup()
     from vllm.entrypoints.cli.serve import ServeSubcommand

@@ -37,8 +37,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tests.helpers import cosine, load_in_child, random_prompts, read_safetensors_dir, served_greedy_logits
+from tests.helpers import cosine, load_in_child, random_prompts, served_greedy_logits
 from tests.references import packed as packed_reference
+from tests.references import read_safetensors_dir
 from tests.references.afmoe import convert_to_mla, load_hf_model, make_random_afmoe, teacher_forced_logits
 
 pytestmark = pytest.mark.vllm

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from vllm_trn_plugin import envs
-from vllm_trn_plugin.kernels.fp8_expert import ExpertWeights, fp8_experts, fp8_linear, quantize_per_token
+from vllm_trn_plugin.kernels.fp8 import fp8_linear, quantize_per_token
+from vllm_trn_plugin.kernels.fp8_expert import ExpertWeights, fp8_experts
 
 E4M3 = ml_dtypes.float8_e4m3  # Trainium2's IEEE-style E4M3: max 240, NaN beyond
 
@@ -149,12 +150,12 @@ PATHS = ["AMX copy", "AVX-512 BF16 copy", "FBGEMM copy", "fp32 copy", "fp8 only 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_fp8_products_exact_on_every_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every way the FP8 x FP8 products are computed (fp8_expert.fp8_matmul: the CPU's compute copies made at load,
+    """Every way the FP8 x FP8 products are computed (fp8.fp8_matmul: the CPU's compute copies made at load,
     the bf16 dot-product kernel's where the CPU has AVX-512 BF16 and FBGEMM's fp16 copy elsewhere; an fp32 copy;
     FP8-only residency, converting row chunks per call; torch's FP8 GEMM, the graph form on a device) gives the
     float64 products bit for bit: on sums exact in fp32, and on every E4M3 value once (a copy that rounded or
     flushed a subnormal, or a path that rounds its output to bf16, would fail)."""
-    from vllm_trn_plugin.kernels import fp8_expert as f
+    from vllm_trn_plugin.kernels import fp8 as f
 
     monkeypatch.setattr(f, "_CHUNK_ELEMS", 7 * 256)  # several chunks and a short last one below
     if path in ("AMX copy", "AVX-512 BF16 copy"):
@@ -273,7 +274,7 @@ def test_native_kernel_applies_scales_and_bias_as_torch_does(isa: str, monkeypat
 def test_fp8_linear_from_its_compute_copy_equals_the_definition() -> None:
     """fp8_linear with the weight's compute copy (what a CPU layer computes with), row scales and a bias: the float64
     definition, bit for bit on operands whose sums are exact (power-of-two row scales, a bias exact in fp32)."""
-    from vllm_trn_plugin.kernels.fp8_expert import fp8_compute_copy
+    from vllm_trn_plugin.kernels.fp8 import fp8_compute_copy
 
     x, w = _integer_operands(9, 64, 256, seed=4)
     s_row = torch.exp2(torch.randint(-12, -4, (64,))).float()
@@ -327,7 +328,7 @@ def test_compiled_quantize_equals_torch_bit_for_bit(monkeypatch: pytest.MonkeyPa
     whose amax is 240, so the multiplier is exactly 1 and rounding ties reach the conversion), and on random rows
     from 1e-30 to 1e30 with zero and negative-zero rows. A NaN or an infinity is left to torch."""
     from vllm_trn_plugin.kernels import fp8_cpu
-    from vllm_trn_plugin.kernels.fp8_expert import AMAX_FLOOR, INV_FP8_MAX
+    from vllm_trn_plugin.kernels.fp8 import AMAX_FLOOR, INV_FP8_MAX
 
     def torch_ops(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with monkeypatch.context() as m:

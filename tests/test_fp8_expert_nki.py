@@ -19,14 +19,8 @@ import torch
 from tests.emulator_helpers import assert_counters_equal_cost, lnc2
 from vllm_trn_plugin.kernels import fp8_expert_nki as K
 from vllm_trn_plugin.kernels import nki_emu
-from vllm_trn_plugin.kernels.fp8_expert import (
-    ExpertWeights,
-    fp8_expert,
-    fp8_experts,
-    fp8_linear,
-    from_kernel_layout,
-    quantize_per_token,
-)
+from vllm_trn_plugin.kernels.fp8 import fp8_linear, quantize_per_token
+from vllm_trn_plugin.kernels.fp8_expert import ExpertWeights, fp8_expert, fp8_experts, from_kernel_layout
 from vllm_trn_plugin.kernels.nki_shim import nisa, nki, nl, simulate
 
 U = 2.0**-24

@@ -18,7 +18,7 @@ import torch
 from tests.helpers import greedy_params, random_prompts, raw_logits_llm, token_prompts, worker_functions_allowed
 from tests.references.afmoe import cached_latent_model, check_against_hf_greedy, hf_greedy, load_hf_model
 from tests.references.packed import fp8_activation
-from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, FP8_MAX, quantize_per_token
+from vllm_trn_plugin.kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_per_token
 from vllm_trn_plugin.kernels.latent_decode import dequantize_latents
 
 VOCAB = 259
@@ -234,7 +234,7 @@ def test_fp8_latent_cost_over_1100_positions(pair: tuple[Any, Any], fp8_llm: Any
     the right d_i), fails each of them."""
     from vllm import SamplingParams
 
-    from vllm_trn_plugin.bench.ties import TIE_MARGIN
+    from vllm_trn_plugin.gate.ties import TIE_MARGIN
 
     _, mla = pair
     llm, _ = fp8_llm

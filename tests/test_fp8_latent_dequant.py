@@ -1,4 +1,4 @@
-"""The FP8 conversion on the torch path (`kernels.fp8_expert.fp8_to_float32`): exact, and the latent decode
+"""The FP8 conversion on the torch path (`kernels.fp8.fp8_to_float32`): exact, and the latent decode
 and prefill that read an FP8 latent cache through it unchanged bit for bit.
 
 The oracle is torch's own float8_e4m3fn -> float32 conversion (`codes.float()`, an independent implementation:
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vllm_trn_plugin.kernels import latent_decode
-from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE, fp8_to_float32, quantize_per_token
+from vllm_trn_plugin.kernels.fp8 import FP8_DTYPE, fp8_to_float32, quantize_per_token
 from vllm_trn_plugin.kernels.latent_decode import (
     AbsorbedWeights,
     PagedLatents,
@@ -29,9 +29,9 @@ NAN_CODES = (0x7F, 0xFF)
 def fast_path_at_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """fp8_to_float32 hands small inputs to torch's conversion (faster there); these tests hold the fast path to
     account on every input, however small."""
-    from vllm_trn_plugin.kernels import fp8_expert
+    from vllm_trn_plugin.kernels import fp8
 
-    monkeypatch.setattr(fp8_expert, "_FAST_FP8_MIN", 1)
+    monkeypatch.setattr(fp8, "_FAST_FP8_MIN", 1)
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:

@@ -228,8 +228,8 @@ def test_served_multi_turn_chat_hits_the_cache_and_answers_as_without_it(
     import requests
 
     from vllm_trn_plugin.bench.local import serve_demo
-    from vllm_trn_plugin.bench.ties import compare_greedy
     from vllm_trn_plugin.engine_checks import LAPLACE_CHECKPOINT_TOKENS
+    from vllm_trn_plugin.gate.ties import compare_greedy
 
     extra = ["--enable-prefix-caching", "--enable-prompt-tokens-details", "--served-model-name", "laplace-pc"]
     server = serve_demo(laplace_ckpt, tmp_path / "serve.log", extra=extra, dtype="float32").wait_healthy(600)

@@ -25,7 +25,7 @@ from tests.helpers import (
     token_prompts,
 )
 from tests.references.laplace import assert_same_greedy
-from vllm_trn_plugin.bench.ties import first_divergence
+from vllm_trn_plugin.gate.ties import first_divergence
 
 pytestmark = pytest.mark.vllm
 

@@ -5,7 +5,7 @@ attention in float64 (`expanded_float64`, here).
 Inputs are built the way the model holds them: a paged latent cache whose unwritten rows are NaN,
 a key-scale side store (NaN where never written, 1 / rms(W_k,g c) where written), shuffled
 block tables whose entries past a sequence's used blocks are stale (other sequences' blocks,
-never-written blocks, 0). An FP8 cache (`FP8`) holds `fp8_expert.quantize_per_token` codes with their per-token
+never-written blocks, 0). An FP8 cache (`FP8`) holds `fp8.quantize_per_token` codes with their per-token
 dequantization scales (NaN where never written) and key scales computed from the dequantized latents.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from tests.emulator_helpers import assert_counters_equal_cost, lnc2
 from vllm_trn_plugin.kernels import nki_emu
-from vllm_trn_plugin.kernels.fp8_expert import quantize_per_token
+from vllm_trn_plugin.kernels.fp8 import quantize_per_token
 from vllm_trn_plugin.kernels.latent_decode import (
     DECODE_TILE,
     AbsorbedWeights,
@@ -440,7 +440,7 @@ def test_each_tensor_parallel_rank_decodes_its_heads_of_the_whole_layer(tp: int)
     as the model places them (`kv_heads_of_rank`, q heads contiguous): a rank's absorbed decode from the whole latent
     and its own KV heads' W_k, W_v and key scales equals the whole layer's output for its query heads; every head
     is served, the KV heads read are the ones GQA assigns."""
-    from vllm_trn_plugin.model_executors.latent_attention import kv_heads_of_rank
+    from vllm_trn_plugin.model_executors.latent_cache import kv_heads_of_rank
 
     H, Hkv = 32, 4
     case = make_case([5, 300, 131], block_size=64, H=H, Hkv=Hkv, hd=32, r=64, seed=3)
@@ -462,7 +462,7 @@ def test_each_tensor_parallel_rank_decodes_its_heads_of_the_whole_layer(tp: int)
 
 
 def test_tensor_parallel_sizes_the_heads_do_not_allow_are_refused() -> None:
-    from vllm_trn_plugin.model_executors.latent_attention import kv_heads_of_rank
+    from vllm_trn_plugin.model_executors.latent_cache import kv_heads_of_rank
 
     for tp, what in [(3, "does not divide the 4 KV heads"), (6, "is not a multiple of the 4 KV heads")]:
         with pytest.raises(ValueError, match=f"--tensor-parallel-size {tp} {what}"):

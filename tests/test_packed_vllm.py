@@ -52,7 +52,7 @@ from tests.references.afmoe import (
 )
 from tests.references.laplace import LaplaceReference
 from tests.references.packed import load_packed, nearest_reference_run, patch_afmoe_fp8
-from vllm_trn_plugin.kernels.fp8_expert import fp8_compute_copy
+from vllm_trn_plugin.kernels.fp8 import fp8_compute_copy
 from vllm_trn_plugin.loaders.io import CheckpointFormatError
 from vllm_trn_plugin.loaders.packed import pack
 from vllm_trn_plugin.model_executors.mxfp4_fp8 import packed_weights
@@ -171,7 +171,7 @@ def _compute_forms(model: torch.nn.Module) -> dict[str, set[torch.dtype]]:
 
 
 def _check_compute_forms(forms: dict[str, set[torch.dtype]]) -> None:
-    # bf16: the AVX-512 BF16 kernel's copy; uint8: FBGEMM's handle (kernels/fp8_expert.fp8_compute_copy)
+    # bf16: the AVX-512 BF16 kernel's copy; uint8: FBGEMM's handle (kernels/fp8.fp8_compute_copy)
     want = fp8_compute_copy(torch.ones(32, 32).to(torch.float8_e4m3fn)).dtype
     assert "lm_head" in forms and len(forms) >= 8, forms
     assert {n: f for n, f in forms.items() if f != {want}} == {}, f"compute copies not all {want}"

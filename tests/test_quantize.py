@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import cosine, random_prompts, read_safetensors_dir, served_greedy_logits
+from tests.helpers import cosine, random_prompts, served_greedy_logits
+from tests.references import read_safetensors_dir
 from tests.references.afmoe import clear_model_cache, load_hf_model, make_random_afmoe, teacher_forced_logits
 from tests.references.packed import (
     ct_decompress,

@@ -25,7 +25,7 @@ import requests
 from vllm_trn_plugin.bench import soak
 from vllm_trn_plugin.bench.client import Target
 from vllm_trn_plugin.bench.malformed import malformed_cases, run_sweep
-from vllm_trn_plugin.bench.ties import TIE_MARGIN_BY_DTYPE
+from vllm_trn_plugin.gate.ties import TIE_MARGIN_BY_DTYPE
 
 pytestmark = pytest.mark.vllm
 

@@ -1,4 +1,4 @@
-"""The tie rule for comparing two greedy runs (`vllm_trn_plugin.bench.ties`) on hand-made token paths, and the
+"""The tie rule for comparing two greedy runs (`vllm_trn_plugin.gate.ties`) on hand-made token paths, and the
 soak's stream judgement built on it (`vllm_trn_plugin.bench.soak.judge`) on hand-made streams."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_trn_plugin.bench.soak import Stream, judge
-from vllm_trn_plugin.bench.ties import TIE_MARGIN, compare_greedy, first_divergence
+from vllm_trn_plugin.gate.ties import TIE_MARGIN, compare_greedy, first_divergence
 
 WANT = [5, 6, 7, 8]
 # Reference top-1 minus top-2 logprob at each step: a clear pick at steps 0, 1 and 3, a near-tie at step 2.

@@ -16,7 +16,7 @@ Checked for MLA-Trinity (and, as the baseline, vLLM's built-in AfmoeForCausalLM 
   is disabled"). A control run with a latent width that breaks the integer page ratio must produce the
   warning, so the check cannot pass just because the log capture missed it.
 
-And for the FP8 latent cache (`latent_cache_dtype`, model_executors/latent_attention.py): `--additional-config
+And for the FP8 latent cache (`latent_cache_dtype`, model_executors/latent_cache.py): `--additional-config
 '{"latent_cache_dtype": "fp8"}'` alone puts only the latent in FP8 (1 B per value: half the bf16 page) and leaves
 the sliding layers in bf16; `--kv-cache-dtype fp8` ("auto") puts both in FP8. Either way vLLM keeps its sliding-window
 groups, and its max concurrency at 32k rises by what the bytes per request (derived here from the geometry, with
@@ -62,7 +62,7 @@ CHILD = textwrap.dedent(
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
     from vllm_trn_plugin import register
-    from vllm_trn_plugin.bench.kv_specs import layer_specs
+    from vllm_trn_plugin.compat import layer_specs
 
     MAX_MODEL_LEN, BUDGET, RUNS = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
     records = []
@@ -426,7 +426,7 @@ def test_scale_bytes_per_latent_byte() -> None:
     per rank); bf16 4 x 4 / 512 (no dequantization scale)."""
     from transformers import AfmoeConfig
 
-    from vllm_trn_plugin.model_executors.latent_attention import key_scale_bytes_per_latent_byte
+    from vllm_trn_plugin.model_executors.latent_cache import key_scale_bytes_per_latent_byte
 
     cfg = AfmoeConfig(**TRINITY_MINI, kv_lora_rank=KV_LORA_RANK)
     fp8 = torch.float8_e4m3fn
@@ -447,7 +447,7 @@ def stub_config(latent: object, kv_cache_dtype: str = "auto") -> SimpleNamespace
 
 
 def test_latent_cache_dtype_choices() -> None:
-    from vllm_trn_plugin.model_executors.latent_attention import latent_cache_dtype
+    from vllm_trn_plugin.model_executors.latent_cache import latent_cache_dtype
 
     fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     cases = {

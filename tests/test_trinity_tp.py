@@ -23,7 +23,7 @@ import torch
 
 from tests.helpers import random_prompts, raw_logits_llm, token_prompts, trn2_recipe_argv, worker_functions_allowed
 from tests.references.afmoe import check_against_hf_greedy, hf_greedy, trinity_geometry_pair
-from vllm_trn_plugin.bench.ties import TIE_MARGIN, first_divergence
+from vllm_trn_plugin.gate.ties import TIE_MARGIN, first_divergence
 
 pytestmark = pytest.mark.vllm
 

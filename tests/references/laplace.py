@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from tests.references.packed import fp8_matmul, load_packed
-from vllm_trn_plugin.bench.ties import compare_greedy
+from vllm_trn_plugin.gate.ties import compare_greedy
 
 
 @dataclass
@@ -114,7 +114,7 @@ class LaplaceReference:
 
 def assert_same_greedy(got: list[int], ref: Greedy, what: str) -> None:
     """Token-for-token equality, except that after a near-tie the paths may legitimately part (the tie rule,
-    `vllm_trn_plugin.bench.ties`); the steps before that must match exactly."""
+    `vllm_trn_plugin.gate.ties`); the steps before that must match exactly."""
     agree = compare_greedy(got, ref.tokens, ref.margins)
     d = agree.step
     assert agree.ok, (

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from tests.helpers import read_safetensors_dir
+from tests.references import read_safetensors_dir
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 

@@ -23,7 +23,7 @@ float32 so that "equal" can be tight, a small cache pool (POOL_BYTES, why there)
    stream must end with `[DONE]`, `finish_reason` "length", exactly `--output-len` tokens (also by
    `usage`) and the same token ids as its prompt alone; a disconnected one must have received a prefix of
    them. A divergence counts as a *tie* (reported, not wrong; at most 5% of streams) only where both runs
-   have the two tokens within `--tie-tol` nats (the tie rule: `vllm_trn_plugin.bench.ties`).
+   have the two tokens within `--tie-tol` nats (the tie rule: `vllm_trn_plugin.gate.ties`).
 3. After each wave: wait until `/metrics` shows nothing running or waiting; serve one probe prompt alone,
    which must equal its reference (and makes the engine publish fresh statistics after the last aborts);
    then `/metrics` must show the pool empty (`vllm:kv_cache_usage_perc` 0: Laplace's state pages,
@@ -82,10 +82,10 @@ from vllm_trn_plugin.bench.local import serve_new_demo
 from vllm_trn_plugin.bench.malformed import Case, malformed_cases, run_sweep
 from vllm_trn_plugin.bench.metrics import Metrics, scrape
 from vllm_trn_plugin.bench.runner import make_session
-from vllm_trn_plugin.bench.ties import TIE_MARGIN_BY_DTYPE, Agreement, compare_greedy
 from vllm_trn_plugin.bench.workload import LengthDist, RequestSpec, random_requests
-from vllm_trn_plugin.cli import cache_budget_given
+from vllm_trn_plugin.compat import cache_budget_given
 from vllm_trn_plugin.envs import NO_TCMALLOC
+from vllm_trn_plugin.gate.ties import TIE_MARGIN_BY_DTYPE, Agreement, compare_greedy
 
 MODELS = ("laplace", "mla-trinity")
 MAX_MODEL_LEN = 4096

@@ -7,13 +7,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from vllm_trn_plugin.bench.ties import TIE_MARGIN
 from vllm_trn_plugin.gate import passkey
 from vllm_trn_plugin.gate.errors import GateError
 from vllm_trn_plugin.gate.metrics import DEFAULT_BUCKETS, Thresholds
 from vllm_trn_plugin.gate.report import plot, table, write_json
 from vllm_trn_plugin.gate.run import GateOptions, run_gate
 from vllm_trn_plugin.gate.sources import DEFAULT_TIMEOUT, Source, open_source
+from vllm_trn_plugin.gate.ties import TIE_MARGIN
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 REPORT_FILES = ("gate.json", "gate.txt", "gate.png")

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from vllm_trn_plugin.bench.ties import TIE_MARGIN
 from vllm_trn_plugin.gate.errors import GateError
+from vllm_trn_plugin.gate.ties import TIE_MARGIN
 
 DEFAULT_BUCKETS = (0, 2048, 8192, 32768)  # context-length bucket edges, as the source document scores long context
 NONFINITE_NAMED = 8  # non-finite positions named per bucket (all are counted)

@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from vllm_trn_plugin.bench.ties import TIE_MARGIN
 from vllm_trn_plugin.gate import passkey as pk_mod
 from vllm_trn_plugin.gate.errors import GateError
 from vllm_trn_plugin.gate.inputs import TokenInput, check_vocab
 from vllm_trn_plugin.gate.metrics import DEFAULT_BUCKETS, Accumulator, Scores, Thresholds, judge, paired
 from vllm_trn_plugin.gate.sources import Source
+from vllm_trn_plugin.gate.ties import TIE_MARGIN
 
 # Both tokenizers must turn these into the same ids (with the text's own beginning).
 PROBES = ("The quick brown fox jumps over the lazy dog 0123456789.", "  naïve café — 東京 🚀\n\tdef f(x): return x**2")

@@ -22,9 +22,9 @@ import numpy as np
 
 from vllm_trn_plugin.gate.errors import GateError
 from vllm_trn_plugin.gate.metrics import Scores, scores_from_logits
+from vllm_trn_plugin.models import MODELS
 
 FULL_VOCAB_LIMIT = 4096  # vLLM in process returns the full distribution (for the full-logit cosine) up to this vocab
-PLUGIN_ARCHITECTURES = ("TrinityMLAForCausalLM", "LaplaceForCausalLM")
 PREFILL_CHUNK = 512  # prompt tokens per transformers forward when generating
 DEFAULT_TIMEOUT = 3600.0  # s per request: a 32k-token prompt with logprobs on a CPU takes minutes
 
@@ -386,7 +386,7 @@ class VLLMSource(Source):
         self.max_len = min(max_len, limit)
         from vllm import LLM
 
-        from vllm_trn_plugin.cli import CPU_DEFAULT_CACHE_BYTES, ensure_vllm_version_lookup
+        from vllm_trn_plugin.compat import CPU_DEFAULT_CACHE_BYTES, ensure_vllm_version_lookup
 
         ensure_vllm_version_lookup()
         kw: dict[str, Any] = dict(
@@ -476,7 +476,7 @@ def source_kind(spec: str) -> tuple[str, str]:
     if not d.is_dir():
         raise GateError(f"{spec}: neither an http(s) URL nor a checkpoint directory")
     arch = (_read_config(d, spec).get("architectures") or [""])[0]
-    return ("vllm" if arch in PLUGIN_ARCHITECTURES else "transformers"), spec
+    return ("vllm" if arch in MODELS else "transformers"), spec
 
 
 def open_source(

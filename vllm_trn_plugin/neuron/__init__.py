@@ -9,15 +9,7 @@ math); the contract as read from vllm-neuron's sources and the SDK docs is in ``
 Nothing here imports vllm_neuron: the runner passes plain tensors and dicts, and the spec classes it reads are
 mirrored in ``contract.py``.
 
-Classes, by the ``architectures`` name the runner resolves:
-
-- ``LaplaceForCausalLM`` -> ``vllm_trn_plugin.neuron.laplace:LaplaceNeuronModel``
-- ``TrinityMLAForCausalLM`` -> ``vllm_trn_plugin.neuron.trinity_mla:TrinityMLANeuronModel``
+The class for each ``architectures`` name the runner resolves: ``neuron_class`` in vllm_trn_plugin/models.py.
 """
 
 from __future__ import annotations
-
-NEURON_ARCHITECTURES = {
-    "LaplaceForCausalLM": "vllm_trn_plugin.neuron.laplace:LaplaceNeuronModel",
-    "TrinityMLAForCausalLM": "vllm_trn_plugin.neuron.trinity_mla:TrinityMLANeuronModel",
-}

@@ -46,7 +46,6 @@ from torch import nn
 from vllm_trn_plugin.neuron.sampling import sample
 
 NULL_BLOCK_ID = 0  # vLLM's reserved block: block tables carry it as -1; no request owns it
-PAD_SLOT_ID = -1  # padded tokens' slot (docs, 0.26 runner); the 0.24 runner wrote NULL_BLOCK_ID instead
 
 # Segmented prefill (docs 2.32/2.33 "configuration reference"; the 0.26 runner's bucket_utils): the sizes a KV
 # segment may have, and the longest max_model_len a prompt may prefill in one shot.
@@ -179,9 +178,9 @@ def is_decode(meta: dict[str, Any]) -> bool:
 
 
 def live_tokens(meta: dict[str, Any]) -> torch.Tensor:
-    """[T] bool: the step's real tokens. A padded token's slot is -1 (``PAD_SLOT_ID``) or, at the 0.24 runner, 0
-    (the null block), and no real token maps into block 0, so either convention reads the same; the runner pads at
-    the end, so the real tokens are a prefix."""
+    """[T] bool: the step's real tokens. A padded token's slot is -1 (the runner's ``PAD_SLOT_ID``) or, at the 0.24
+    runner, 0 (the null block), and no real token maps into block 0, so either convention reads the same; the runner
+    pads at the end, so the real tokens are a prefix."""
     return meta["slot_mapping"] > 0
 
 

@@ -283,8 +283,8 @@ class TrinityMLANeuronModel(NeuronModelAdapter):
         and the static step keeps the sliding layers' K/V in the model dtype: so the latent is in the model dtype
         too. An FP8 cache of either kind is refused here, naming the option, rather than at binding (after minutes
         of weight loading) or by serving another dtype than asked."""
-        from vllm_trn_plugin.kernels.fp8_expert import FP8_DTYPE
-        from vllm_trn_plugin.model_executors.latent_attention import LATENT_CACHE_DTYPE, latent_cache_dtype
+        from vllm_trn_plugin.kernels.fp8 import FP8_DTYPE
+        from vllm_trn_plugin.model_executors.latent_cache import LATENT_CACHE_DTYPE, latent_cache_dtype
 
         if str(vllm_config.cache_config.cache_dtype).startswith("fp8"):
             raise NotImplementedError(

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vllm_trn_plugin.kernels.fp8_expert import quantize_per_token
+from vllm_trn_plugin.kernels.fp8 import quantize_per_token
 from vllm_trn_plugin.loaders.io import SHARD_BYTES, Checkpoint, CheckpointFormatError, ShardWriter
 from vllm_trn_plugin.loaders.mxfp4 import (
     BLOCK_SIZE,
