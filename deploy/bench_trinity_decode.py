@@ -48,7 +48,7 @@ What it does:
    "Maximum concurrency" lines of both engines at that budget are printed, with their ratio.
 3. Profile (default on): one more request per engine at the largest context with vLLM's torch profiler
    (`start_profile(delay_iterations=..., max_iterations=...)`, shapes recorded) over a few decode steps only;
-   the trace is split into the attention custom ops (plugin: vllm::trn_latent_attention, whose children are
+   the trace is split into the attention custom ops (plugin: trn::latent_attention, whose children are
    grouped: key-scale recompute = the [L, r] x [r, 4 x 128] einsum + pow/mean/rsqrt; history gather; scores /
    softmax / latent sum; ...; built-in: vllm::unified_attention_with_output + unified_kv_cache_update) and
    everything else (the compiled rest of the model, sampling).
@@ -396,7 +396,7 @@ def analyze_profile(profile_dir: Path, key: str, n_attn_layers: int, cfg: dict[s
     events = load_trace(profile_dir)
     nest(events)
     attn_names = (
-        ("vllm::trn_latent_attention",)
+        ("trn::latent_attention",)
         if key.startswith("mla")
         else ("vllm::unified_attention_with_output", "vllm::unified_kv_cache_update")
     )

@@ -73,6 +73,10 @@ def _kernel_wrapper(op: str, wrapper: str) -> Callable[..., torch.Tensor]:
     return getattr(importlib.import_module(f"vllm_trn_plugin.kernels.{op}_nki"), wrapper)
 
 
+# The plugin's one op namespace: the kernel ops below and the models' cache ops (model_executors/: laplace_mixer,
+# latent_attention, registered through vLLM's helper into this library) are all trn::<name>.
+TRN_LIB = torch.library.Library("trn", "FRAGMENT")
+
 # The three decode ops as torch custom ops (namespace `trn`): a compiled graph holds each as one node, with a fake
 # implementation for tracing and the cache or state it writes declared as mutated, so that under torch.compile the
 # write lands in the caller's tensor (functionalization writes the op's result back into it).

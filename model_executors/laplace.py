@@ -32,7 +32,7 @@ from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching
-from vllm.model_executor.models.utils import maybe_prefix
+from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from vllm.sequence import IntermediateTensors
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backend import AttentionBackend
@@ -124,7 +124,7 @@ class LaplaceMixer(MambaBase, nn.Module):
             dtype=hidden_states.dtype,
             device=hidden_states.device,
         )
-        torch.ops.vllm.trn_laplace_mixer(hidden_states, out, self.prefix)
+        torch.ops.trn.laplace_mixer(hidden_states, out, self.prefix)
         return self.o_proj(out)[0]
 
     def mix(self, h: torch.Tensor, output: torch.Tensor) -> None:
@@ -237,10 +237,11 @@ def _laplace_mixer_fake(hidden_states: torch.Tensor, output: torch.Tensor, layer
 
 
 direct_register_custom_op(
-    op_name="trn_laplace_mixer",
+    op_name="laplace_mixer",
     op_func=_laplace_mixer_op,
     mutates_args=["output"],
     fake_impl=_laplace_mixer_fake,
+    target_lib=dispatch.TRN_LIB,
 )
 
 
@@ -287,9 +288,38 @@ class LaplaceModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.prefix = prefix
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
+
+    # Checkpoint names that vLLM fuses: (fused param, checkpoint name, shard id); the same fusion as vLLM's
+    # quantization configs read it (LaplaceForCausalLM.packed_modules_mapping).
+    stacked_params_mapping = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            full = maybe_prefix(self.prefix, name)  # errors name the checkpoint tensor
+            for fused, part, shard in self.stacked_params_mapping:
+                if part in name:
+                    target = name.replace(part, fused)
+                    _param(params, target, full).weight_loader(params[target], tensor, shard)
+                    break
+            else:
+                target = name
+                param = _param(params, target, full)
+                loader = getattr(param, "weight_loader", None)
+                if loader is None:  # vLLM's own loaders check (and pad) shapes themselves
+                    if param.shape != tensor.shape:
+                        raise ValueError(
+                            f"checkpoint tensor {full}: shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
+                        )
+                    loader = default_weight_loader
+                loader(param, tensor)
+            loaded.add(target)
+        return loaded
 
     def forward(
         self,
@@ -305,10 +335,7 @@ class LaplaceModel(nn.Module):
 
 
 class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching):
-    # Checkpoint names that vLLM fuses: (fused param, checkpoint name, shard id); the same fusion as vLLM's
-    # quantization configs read it.
-    stacked_params_mapping = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
-    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}  # for vLLM's quantization configs
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -360,26 +387,7 @@ class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMamb
         packed = isinstance(self.quant_config, TrnMxfp4Fp8Config)
         if packed:  # the plugin's streaming reader: errors name the file; MXFP4 arrives as FP8 rows
             weights = packed_weights(self.model_dir, self.quant_config.is_mxfp4)
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            for fused, part, shard in self.stacked_params_mapping:
-                if part in name:
-                    target = name.replace(part, fused)
-                    _param(params, target, name).weight_loader(params[target], tensor, shard)
-                    break
-            else:
-                target = name
-                param = _param(params, target, name)
-                loader = getattr(param, "weight_loader", None)
-                if loader is None:  # vLLM's own loaders check (and pad) shapes themselves
-                    if param.shape != tensor.shape:
-                        raise ValueError(
-                            f"checkpoint tensor {name}: shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
-                        )
-                    loader = default_weight_loader
-                loader(param, tensor)
-            loaded.add(target)
+        loaded = AutoWeightsLoader(self).load_weights(weights)
         if packed:  # vLLM checks completeness only for unquantized models
             check_all_loaded(self, loaded)
         return loaded

@@ -121,7 +121,7 @@ class TrinityLatentAttention(nn.Module, AttentionLayerBase):
         T = hidden_states.shape[0]
         q, latent = self.project(hidden_states)
         out = torch.empty(T, self.num_heads * self.head_dim, dtype=hidden_states.dtype, device=hidden_states.device)
-        torch.ops.vllm.trn_latent_attention(q, latent, out, self.prefix)
+        torch.ops.trn.latent_attention(q, latent, out, self.prefix)
         return self.gated_output(out, hidden_states)
 
     # --- the layer's pieces (also the Neuron adapter's static step, vllm_trn_plugin/neuron/trinity_mla.py) ---
@@ -328,8 +328,9 @@ def _latent_attention_fake(q: torch.Tensor, latent: torch.Tensor, output: torch.
 
 
 direct_register_custom_op(
-    op_name="trn_latent_attention",
+    op_name="latent_attention",
     op_func=_latent_attention_op,
     mutates_args=["output"],
     fake_impl=_latent_attention_fake,
+    target_lib=dispatch.TRN_LIB,
 )

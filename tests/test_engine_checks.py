@@ -38,10 +38,10 @@ def test_stateful_ops_are_splitting_ops(model: str, laplace_ckpt: Path, trinity_
     """Every op that reads or writes per-sequence state outside its inputs is a graph split point, so a piecewise
     graph never replays it with stale metadata. The names are written out here, not read from the plugin's list,
     and each must be an op torch knows (a renamed op would otherwise leave a stale name in both places)."""
-    import vllm_trn_plugin.model_executors.laplace  # noqa: F401  (registers the vllm:: ops)
+    import vllm_trn_plugin.model_executors.laplace  # noqa: F401  (registers the trn:: ops)
     import vllm_trn_plugin.model_executors.trinity_mla  # noqa: F401
 
-    stateful = ("vllm::trn_laplace_mixer", "vllm::trn_latent_attention", "trn::fp8_experts")
+    stateful = ("trn::laplace_mixer", "trn::latent_attention", "trn::fp8_experts")
     for op in stateful:
         ns, name = op.split("::")
         assert hasattr(getattr(torch.ops, ns), name), op

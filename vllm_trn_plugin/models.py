@@ -25,14 +25,14 @@ MODELS: dict[str, PluginModel] = {
             "vllm_trn_plugin.model_executors.laplace:LaplaceForCausalLM",
             "vllm_trn_plugin.neuron.laplace:LaplaceNeuronModel",
             "vllm_trn_plugin.engine_checks:LaplaceEngineChecks",
-            ("vllm::trn_laplace_mixer",),
+            ("trn::laplace_mixer",),
         ),
         PluginModel(
             "TrinityMLAForCausalLM",
             "vllm_trn_plugin.model_executors.trinity_mla:TrinityMLAForCausalLM",
             "vllm_trn_plugin.neuron.trinity_mla:TrinityMLANeuronModel",
             "vllm_trn_plugin.engine_checks:TrinityMLAEngineChecks",
-            ("vllm::trn_latent_attention", "trn::fp8_experts"),
+            ("trn::latent_attention", "trn::fp8_experts"),
         ),
     )
 }
