@@ -71,6 +71,23 @@ int trn_amx_supported(void) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 }
 
+/* Row block `blk` of n rows: its first row, the mask of its rows that exist, their row scales and biases (zeros
+   where not given). */
+struct block {
+    int64_t n0;
+    __mmask16 m;
+    __m512 r, bv;
+};
+static inline AVX512BF16 __attribute__((always_inline)) struct block block_of(int64_t blk, int64_t n, const float *rs,
+                                                                            const float *bias) {
+    struct block e;
+    e.n0 = blk * 16;
+    e.m = n - e.n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - e.n0)) - 1);
+    e.r = rs ? _mm512_maskz_loadu_ps(e.m, rs + e.n0) : _mm512_setzero_ps();
+    e.bv = bias ? _mm512_maskz_loadu_ps(e.m, bias + e.n0) : _mm512_setzero_ps();
+    return e;
+}
+
 /* The epilogue on 16 sums of token t: (y x st[t]) x r + bv, each rounded to fp32 (separate instructions: no FMA). */
 static inline AVX512BF16 __attribute__((always_inline)) __m512 finish(__m512 y, const float *st, int t, const float *rs,
                                                                     __m512 r, const float *bias, __m512 bv) {
@@ -99,12 +116,9 @@ static inline AVX512BF16 __attribute__((always_inline)) void tile(const uint32_t
         }
     }
     for (int i = 0; i < NB; i++) {
-        int64_t n0 = (b + i) * 16;
-        __mmask16 m = n - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - n0)) - 1);
-        __m512 r = rs ? _mm512_maskz_loadu_ps(m, rs + n0) : _mm512_setzero_ps();
-        __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + n0) : _mm512_setzero_ps();
+        struct block e = block_of(b + i, n, rs, bias);
         for (int t = 0; t < TT; t++)
-            _mm512_mask_storeu_ps(out + t * ldo + n0, m, finish(acc[i][t], st, t, rs, r, bias, bv));
+            _mm512_mask_storeu_ps(out + t * ldo + e.n0, e.m, finish(acc[i][t], st, t, rs, e.r, bias, e.bv));
     }
 }
 
@@ -154,12 +168,11 @@ static AMXBF16 void amx_tile(const uint32_t *x, int64_t kp, const uint16_t *w, i
     _tile_stored(2, sums[2], 64);
     _tile_stored(3, sums[3], 64);
     for (int i = 0; i < NB; i++) {
-        int64_t n0 = (b + i) * 16;
-        __mmask16 m = n - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - n0)) - 1);
-        __m512 r = rs ? _mm512_maskz_loadu_ps(m, rs + n0) : _mm512_setzero_ps();
-        __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + n0) : _mm512_setzero_ps();
-        for (int t = 0; t < TT; t++)
-            _mm512_mask_storeu_ps(out + t * ldo + n0, m, finish(_mm512_loadu_ps(sums[i][t]), st, t, rs, r, bias, bv));
+        struct block e = block_of(b + i, n, rs, bias);
+        for (int t = 0; t < TT; t++) {
+            __m512 y = finish(_mm512_loadu_ps(sums[i][t]), st, t, rs, e.r, bias, e.bv);
+            _mm512_mask_storeu_ps(out + t * ldo + e.n0, e.m, y);
+        }
     }
 }
 

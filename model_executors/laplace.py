@@ -236,13 +236,7 @@ def _laplace_mixer_fake(hidden_states: torch.Tensor, output: torch.Tensor, layer
     return None
 
 
-direct_register_custom_op(
-    op_name="laplace_mixer",
-    op_func=_laplace_mixer_op,
-    mutates_args=["output"],
-    fake_impl=_laplace_mixer_fake,
-    target_lib=dispatch.TRN_LIB,
-)
+direct_register_custom_op("laplace_mixer", _laplace_mixer_op, ["output"], _laplace_mixer_fake, dispatch.TRN_LIB)
 
 
 class LaplaceMLP(nn.Module):

@@ -328,9 +328,5 @@ def _latent_attention_fake(q: torch.Tensor, latent: torch.Tensor, output: torch.
 
 
 direct_register_custom_op(
-    op_name="latent_attention",
-    op_func=_latent_attention_op,
-    mutates_args=["output"],
-    fake_impl=_latent_attention_fake,
-    target_lib=dispatch.TRN_LIB,
+    "latent_attention", _latent_attention_op, ["output"], _latent_attention_fake, dispatch.TRN_LIB
 )
