@@ -191,7 +191,11 @@ static AMXBF16 void amx_configure(int tokens) {
 
 static AMXBF16 void amx_release(void) { _tile_release(); }
 
-#define GROUP 4          /* row blocks per work item: 64 rows */
+/* Row blocks per work item: 4 (64 rows); or 6, tiles of 3 + 3 blocks, where a copy multiplies more than 4 tokens on
+   vdpbf16ps and has enough rows that the larger items still share out evenly among the threads (AMX tiles hold 4). */
+#define GROUP_SMALL 4
+#define GROUP_WIDE 6
+#define WIDE_MIN_BLOCKS 256
 #define TOKEN_CHUNK 64   /* tokens per work item: a work item's weights stay in cache across its token groups */
 
 /* out[T, n] (row stride ldo) = xq[T, K] (FP8 bytes, row stride ldx) times packed copies (nb blocks, kp pairs each):
@@ -216,7 +220,10 @@ AVX512BF16 int trn_fp8_bf16dot(const uint8_t *xq, int64_t T, int64_t K, int64_t 
         for (int64_t k = 0; k < K; k++) d[k] = table[r[k]];
         if (K & 1) d[K] = 0;
     }
-    int64_t nrg = (nb + GROUP - 1) / GROUP;
+    int64_t most = 0; /* tokens of the largest group */
+    for (int64_t g = 0; g < ngroups; g++) most = bounds[g + 1] - bounds[g] > most ? bounds[g + 1] - bounds[g] : most;
+    const int64_t per_item = most > 4 && nb >= WIDE_MIN_BLOCKS && !amx ? GROUP_WIDE : GROUP_SMALL;
+    int64_t nrg = (nb + per_item - 1) / per_item;
     first[0] = 0;  /* work items of group g: first[g] .. first[g+1], row groups by token chunks */
     for (int64_t g = 0; g < ngroups; g++)
         first[g + 1] = first[g] + nrg * ((bounds[g + 1] - bounds[g] + TOKEN_CHUNK - 1) / TOKEN_CHUNK);
@@ -239,7 +246,7 @@ AVX512BF16 int trn_fp8_bf16dot(const uint8_t *xq, int64_t T, int64_t K, int64_t 
             for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
                 int tt = t_end - t0 < 16 ? (int)(t_end - t0) : 16;
                 if (tt != configured) amx_configure(configured = tt);
-                int64_t bb = rg * GROUP, b_end = bb + GROUP < nb ? bb + GROUP : nb;
+                int64_t bb = rg * per_item, b_end = bb + per_item < nb ? bb + per_item : nb;
                 amx_tile(x + t0 * kp, kp, wg, bb, (int)(b_end - bb), tt, n, out + t0 * ldo, ldo,
                          s_tok ? s_tok + t0 : NULL, rsg, bg);
             }
@@ -251,11 +258,13 @@ AVX512BF16 int trn_fp8_bf16dot(const uint8_t *xq, int64_t T, int64_t K, int64_t 
             const uint32_t *xg = x + t0 * kp;
             const float *sg = s_tok ? s_tok + t0 : NULL;
             float *og = out + t0 * ldo;
-            int64_t bb = rg * GROUP, b_end = bb + GROUP < nb ? bb + GROUP : nb;
-            if (b_end - bb == 4 && tt <= 4) {
-                TOKENS(4)
-                continue;
-            }
+            int64_t bb = rg * per_item, b_end = bb + per_item < nb ? bb + per_item : nb;
+            /* Up to 4 tokens: 4 blocks a tile (16 accumulators); more: 3 (24 of the 32 vector registers: each
+               broadcast token pair feeds 3 dot products, each weight vector up to 8) */
+            if (tt <= 4)
+                for (; bb + 4 <= b_end; bb += 4) { TOKENS(4) }
+            else
+                for (; bb + 3 <= b_end; bb += 3) { TOKENS(3) }
             for (; bb + 2 <= b_end; bb += 2) { TOKENS(2) }
             if (bb < b_end) { TOKENS(1) }
         }

@@ -193,15 +193,15 @@ def test_fp8_products_exact_on_every_path(path: str, monkeypatch: pytest.MonkeyP
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_native_kernel_on_every_tile_shape(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The dot-product kernel's tiles (vdpbf16ps: 16 rows by a k pair per vector, up to 4 row blocks by 8 tokens;
-    AMX: 4 row blocks by up to 16 tokens by 32 k; 64 tokens per work item): rows, columns and tokens that fill no
-    tile (odd K, K not a multiple of 32, a short last row block, 9, 17 and 130 tokens), an empty batch, and
-    activations with a row stride (a slice): the float64 products, bit for bit."""
+    """The dot-product kernel's tiles (vdpbf16ps: 16 rows by a k pair per vector, up to 4 row blocks by 4 tokens or 3
+    by 8, work items of 4 or 6 blocks; AMX: 4 row blocks by up to 16 tokens by 32 k; 64 tokens per work item): rows,
+    columns and tokens that fill no tile (odd K, K not a multiple of 32, a short last row block, 9, 17 and 130
+    tokens), an empty batch, and activations with a row stride (a slice): the float64 products, bit for bit."""
     from vllm_trn_plugin.kernels import fp8_cpu
 
     _native_isa(isa, monkeypatch)
     cases = [(0, 16, 4), (1, 1, 1), (3, 17, 3), (9, 100, 77), (130, 65, 256), (8, 200, 64), (17, 33, 96)]
-    for t, n, k in cases + [(16, 1000, 1024), (2, 48, 80)]:
+    for t, n, k in cases + [(16, 1000, 1024), (9, 4100, 64), (2, 48, 80)]:  # 4100 rows: 6-block work items
         x, w = _integer_operands(t, n, k + 6, seed=t + n + k)
         xq = x.to(torch.float8_e4m3fn)[:, 3 : 3 + k]  # a row stride k + 6
         got = fp8_cpu.products(xq, fp8_cpu.pack(w[:, 3 : 3 + k]), n)
