@@ -4,6 +4,7 @@ Run (from the repository root)::
 
     .venv/bin/python deploy/bench_packed_decode.py                     # vocabulary 131072, hidden 1024, batch 1 and 8
     .venv/bin/python deploy/bench_packed_decode.py --residency fp8     # the packed engine holding FP8 bytes only
+    .venv/bin/python deploy/bench_packed_decode.py --cap-isa avx2      # as an AVX2-only CPU would (isa_cap/)
 
 What it does:
 1. A random MLA-Trinity checkpoint in bf16 at Trinity-Mini's vocabulary (131072) and the given hidden size, few
@@ -17,7 +18,9 @@ What it does:
    (last_token_ts - first_token_ts) / (tokens - 1), the median over the batch's requests, then over rounds; printed
    per engine with the packed / bf16 ratio (the target: <= 1.1).
 The packed engine's FP8 matrices hold a compute copy on CPU by default (VLLM_TRN_FP8_RESIDENCY, docs/fp8.md);
-`--residency fp8` measures FP8-only residency instead.
+`--residency fp8` measures FP8-only residency instead. `--cap-isa avx512|avx2` reruns the whole benchmark under
+`isa_cap.cap_env`: both engines compute as an AVX-512 BF16 CPU without AMX, or an AVX2-only one, would, on this
+machine's memory (a stand-in for that CPU; say so with its figures).
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from isa_cap import CAPS, cap_env
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--residency", choices=["copy", "fp8"], default="copy", help="VLLM_TRN_FP8_RESIDENCY")
     p.add_argument("--compiled", action="store_true", help="torch.compile both engines (default eager)")
     p.add_argument("--model-dir", type=Path, help="write the checkpoints here (default: a temp dir)")
+    p.add_argument("--cap-isa", choices=CAPS, default="native", help="compute as a lesser x86 CPU (isa_cap/)")
     return p.parse_args(argv)
 
 
@@ -82,6 +88,11 @@ def decode_s_per_step(outputs: list[Any], tokens: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.cap_isa != "native" and os.environ.get("TRN_BENCH_ISA_CAP") != args.cap_isa:
+        # Start again under the cap: torch, oneDNN and FBGEMM read it once, at each process's start.
+        os.execve(
+            sys.executable, [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)], cap_env(args.cap_isa)
+        )
     os.environ["VLLM_TRN_FP8_RESIDENCY"] = args.residency  # read when the packed engine loads
     from vllm import LLM, SamplingParams
 
@@ -121,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"\n== Decode ms per step, MLA-Trinity packed vs bf16 (vocabulary {args.vocab}, hidden {args.hidden}, "
         f"{args.layers} layers, {args.experts} experts; median of {args.reps} rounds, ABBA; "
-        f"{'compiled' if args.compiled else 'eager'}; packed residency {args.residency}) =="
+        f"{'compiled' if args.compiled else 'eager'}; packed residency {args.residency}; CPU {args.cap_isa}) =="
     )
     print(f"{'batch':>6} {'bf16 ms':>9} {'packed ms':>10} {'packed/bf16':>12}   rounds (bf16 | packed)")
     for batch, times in results.items():

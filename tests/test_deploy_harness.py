@@ -43,3 +43,39 @@ def test_plugin_state_sees_a_change_in_every_installed_folder(tmp_path: Path) ->
         (tmp_path / d / "x.py").write_text("a = 2\n")
         assert f"{d}/x.py" in h.plugin_state(tmp_path), d
         git("checkout", "-q", "--", d)
+
+
+_PROBE = """
+import json, torch
+from vllm_trn_plugin.kernels import fp8_cpu
+print(json.dumps({
+    "amx": torch.cpu._is_amx_tile_supported(),
+    "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
+    "aten": torch.backends.cpu.get_cpu_capability(),
+    "isas": list(fp8_cpu.isas()),
+}))
+"""
+
+
+@pytest.mark.parametrize("cap", ["avx512", "avx2"])
+def test_isa_cap_reaches_a_fresh_process(cap: str) -> None:
+    """bench_packed_decode --cap-isa: every process the benchmark starts (engine core, workers) computes as the
+    capped CPU, vLLM's AMX probe included (left at the truth, vLLM picks AMX GEMMs that capped oneDNN aborts)."""
+    import json
+    import sys
+
+    spec = importlib.util.spec_from_file_location("isa_cap", ROOT / "deploy" / "isa_cap" / "__init__.py")
+    isa_cap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(isa_cap)
+    out = subprocess.run([sys.executable, "-c", _PROBE], env=isa_cap.cap_env(cap), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["amx"] is False
+    assert "amx-bf16" not in seen["isas"]
+    if cap == "avx512":
+        assert set(seen["isas"]) <= {"avx512-bf16"}
+    else:
+        assert seen == {"amx": False, "avx512_bf16": False, "aten": seen["aten"], "isas": []}
+        assert seen["aten"] in ("AVX2", "DEFAULT"), seen
+    with pytest.raises(ValueError, match="ISA cap 'avx1'"):
+        isa_cap.cap_env("avx1")
