@@ -187,10 +187,6 @@ def _(x, weight, row_scale, bias=None, compute=None):  # noqa: ANN001, ANN202
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
 
 
-# The op names as vLLM's compilation config writes them (splitting ops).
-KERNEL_OPS = ("trn::gla_decode_step", "trn::latent_decode", "trn::fp8_experts", "trn::fp8_linear")
-
-
 # --- what the models call: the Neuron graph op on Neuron, else the trn op ---
 
 

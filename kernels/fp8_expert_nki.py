@@ -1,108 +1,17 @@
-"""FP8 x FP8 routed-expert MLP as an NKI kernel for Trainium2 (MLA-Trinity's experts; NKI 0.7/0.8: a compiled
-`nl.fori_loop` over the routed experts, LNC=1 or 2): the kernel `fp8_experts_kernel`, its host wrapper `fp8_experts_nki`
-and its cost formula `fp8_experts_cost`.
+"""FP8 x FP8 routed-expert MLP (MLA-Trinity's experts) as an NKI kernel for Trainium2 (NKI 0.7/0.8, LNC=1 or 2).
 
-The op (fp8_expert.py: `fp8_expert` for one expert, `fp8_experts` for the routed sum, both the definition
-and the torch path; every product FP8, fp32 accumulation):
+Entry points: the kernel `fp8_experts_kernel`, its host wrapper `fp8_experts_nki` (routing laid out by
+`expert_blocks`) and its cost formula `fp8_experts_cost`; `load_quantized_x` and `expert_mlp` are its building blocks.
+The op's definition and torch path (`fp8_expert`, `fp8_experts`, `quantize_per_token`) are in fp8_expert.py.
+Features sit on the partitions; the active expert blocks are one `nl.fori_loop`, the weights read in the layout of
+`fp8_expert.to_kernel_layout` (row-major stacks still accepted). LNC=2: each core computes the gate/up rows of its
+half of I, the cores swap their halves of h (`nisa.sendrecv`), and each computes the down rows of its half of Hd.
+Numerics: x and h are quantized per token to E4M3 inside the kernel with the torch path's formula (`240 * (1 / a)`:
+the ISA has no divide), so their FP8 codes and scales are bit-exact against `quantize_per_token`; every matmul is
+FP8 x FP8 with fp32 accumulation, and out is bit-identical at LNC=1 and LNC=2.
 
-    out[t] = sum_k topk_weights[t, k] * y_e(x[t]),   e = topk_ids[t, k]
-    y_e(x) = L(Q(h), w2[e], s2[e], b2[e]),   h = SiLU(gate) * up,   [gate | up] = L(Q(x), w13[e], s13[e], b13[e])
-    L(q, w, s_row, b)[t, n] = ((sum_k q[t, k] * w[n, k]) * s_tok[t]) * s_row[n] + b[n]
-
-with w13 [E, 2I, Hd] FP8 (gate rows, then up rows), w2 [E, Hd, I] FP8, s*/b* float32 per row, and Q the
-per-token quantization to Trainium2 E4M3 (one scale per token, computed here inside the kernel):
-
-    a = max(max_k |v[t, k]|, 2^-100)     inv = 240 * RN(1 / a)     s_tok = a * RN(1 / 240)
-    q[t, k] = RNE_e4m3(clamp(v[t, k] * inv, -240, 240))
-
-The ISA has no divide (docs/nki.md sections 5.6 and 6: the ALU ops list reciprocal, not divide, and
-``nl.divide`` is unsupported on hardware though it works in simulation), so ``240 / a`` and ``a / 240``
-become ``240 * (1 / a)`` and ``a * fp32(1 / 240)``; ``quantize_per_token`` (fp8_expert.py) computes
-exactly this, so the torch path and the kernel produce the same FP8 codes and scales, bit for bit. The
-floor 2^-100 keeps 240 / a finite and s_tok a normal fp32 number (a zero row: codes 0, product 0).
-The clamp catches v * inv rounding one ulp past 240 (a common case, docs/kernels.md): round-to-nearest-even
-brings 240 + ulp back to 240 (ml_dtypes, the emulator), but what the engines do with an fp32 value
-beyond E4M3's 240 on an FP8 write is not documented (saturate, inf or NaN), so the kernel never
-hands them one.
-
-Layout ("transposed": features on the 128 partitions, tokens on the free axis, T <= 128 per call):
-
-- x [T, Hd] comes in with tokens on the partitions (one contiguous row each) and Hd / 128 fp32 PE transposes (exact)
-  put it as x^T [128, Hd/128, T] (k = 128 * kt + p); its per-token amax is a free-axis max over the k-tiles, one PE
-  transpose to [T, 128], a free-axis max, and one PE transpose of the stride-0 broadcast column back to [128, T]
-  (every partition holds every token's scale).
-- gate/up: the expert's W^T tiles [128 p, n, Hd/128, 128 rows] in one DMA, then per 128-row tile Hd/256 double-row
-  matmuls ``stationary = W^T[:, j, 2kk:2kk+2, :]`` ([128, 2, 128] FP8, contraction 256), ``moving =
-  xq^T[:, 2kk:2kk+2, :]`` ([128, 2, T] FP8) accumulate [128 rows, T] in fp32 PSUM; 4 row tiles share a PSUM tile
-  [128, 4, T] (one 2 KiB bank for any T <= 128, so the program does not depend on T).
-- leaving PSUM: ``* s_tok`` (a [128, T] tile broadcast over the row tiles), ``* s_row`` and ``+ b``
-  ((rows on partitions) broadcast over tokens), in that order: the per-row scale is a per-partition
-  value; then SiLU (ScalarE) and ``* up`` give h^T [128, I/128, T] (I on partitions). The row scales and biases
-  ([E, rows] fp32, row-major) come in with rows on the free axis, 512 contiguous bytes per row tile and partition,
-  and one PE transpose puts them on the partitions (read with rows on partitions instead, each 4-byte element would
-  be a DMA descriptor of its own).
-- h is quantized per token the same way (its amax runs over the partitions: one transpose, one
-  reduce, one broadcast transpose), and the down projection runs the same way (``stationary`` =
-  w2^T tiles [128 i, I/128, 128 d], ``moving`` = hq^T), so s2 lands on the output's partition axis.
-- each block's y^T is weighted by the routing weights and added into an fp32 accumulator
-  [128, Hd/128, T] resident in SBUF, transposed by the PE at the end (exact) and stored one token row per DMA run.
-
-Weight layout. Read row-major ([E, rows, K]), partition p of a W^T tile needs byte k = 128 kt + p of every row: a
-transposing access pattern whose every byte is a DMA descriptor of its own (6.3 M descriptors per expert at
-Trinity-Mini's geometry: ~9 ms of DMA-engine time per expert in the emulator's model, against ~17 us for its 6 MiB at
-the engines' full rate). The loader therefore stores every FP8 stack in the kernel's layout once
-(model_executors/mxfp4_fp8.py, `fp8_expert.to_kernel_layout`): [E, 128, rows/128, K/128, 128], t[e, p, rt, kt, j] =
-W[e, rt*128 + j, kt*128 + p], so partition p's bytes of any range of consecutive row tiles are one contiguous run
-(8 KiB and more here), one DMA per matrix and expert reads them (the gate and up halves of a core in one DMA with two
-runs per partition), and the torch path reads the same layout bit for bit. The kernel still takes row-major stacks
-(the layout before; tests and `deploy/kernel_costs.py --layout row-major` measure it).
-
-Resident in SBUF per expert: its whole FP8 weights as tiles (32 + 16 KiB per partition at Trinity-Mini's Hd = 2048,
-I = 1024 at LNC=1; half at LNC=2); xq^T, h^T, scales (a few KiB). PSUM: a transpose scratch bank, the gate/up and
-down accumulation banks, two quantization banks.
-
-Routing layout of fp8_experts_kernel (``expert_blocks``, built in torch with fixed shapes, no host
-sync): NB = min(E, T * K) blocks, block b = one expert holding all T tokens as columns:
-
-    block_expert [NB] int32   the experts that received tokens, ascending, then the others
-    block_active [NB] int32   1 if the block's expert received a token, else 0
-    block_weight [NB, T] fp32 topk weight of token t for that expert, 0 if t did not pick it
-
-The blocks are one compiled ``nl.fori_loop(0, n_active)`` (NKI 0.7+: only fori_loop stays a loop): n_active, the sum
-of block_active, is formed on chip and loaded into a register, and the active blocks come first, so an empty block
-is never entered (it costs no weight DMA) and neither E, NB nor the routing sizes the program (302 instructions at
-LNC=1, 185 at LNC=2 at Trinity-Mini's geometry; the expert body stays unrolled over its weight tiles). In the body
-the block's expert id is DMA'd into a (1, 1) SBUF tile that addresses the weights, scales and biases as
-``scalar_offset``, and its routing weights come by ``scalar_offset`` = the loop register. Computing all T tokens per
-block (instead of gathering each expert's few tokens) costs no extra DMA; at decode sizes (T <= 32, a handful of
-tokens per expert) a matmul streams T <= 32 columns, which is noise beside the 128-column stationary load, and it
-saves the gathers and the per-expert re-quantization of x. Blocks run in ascending expert order and add ``y * w``
-into the accumulator, the order of ``fp8_experts``'s ``index_add_``. Calls with T > 128 are split by the wrapper
-(each split re-reads its experts' weights: a prefill kernel would gather per-expert token blocks instead).
-
-LNC=2 (Trn2's default): program c computes the gate and up rows of its half of I (its gate tiles and its up tiles:
-one DMA, two runs per partition), the SiLU product for that half of h, then the two programs swap their halves of h
-(``nisa.sendrecv``, [128, I/256, T] fp32 each way), both quantize the whole h (the same bits on both), and program c
-computes the down rows of its half of Hd and stores those features of out. Each core reads half of every active
-expert's weights; every element is formed by the same instructions as at LNC=1, so out is bit-identical to LNC=1.
-
-DMA per call (``fp8_experts_cost``, equal to the emulator's counters): per active block 3 * I * Hd bytes of FP8
-weights + (4 I + 2 Hd) * 4 bytes of scales and biases + 128 * T * 4 bytes of routing weights (broadcast to the
-partitions by the DMA) + its expert id; per call T * Hd * (itemsize(x) + 4) for x and the fp32 output (x read by each
-core) + 4 * NB bytes of block_active. The analytic minimum is the same without the broadcast (0.3% of an expert at
-T = 32). Matmuls per active block: (2I / 128)(Hd / 256) + (Hd / 128)(I / 256) double-row (192 at Trinity-Mini), plus
-4 PE transposes; Hd / 128 + 2 + Hd / 128 / LNC more per call for x and out.
-
-Numerics contract (tests/test_fp8_expert_nki.py): FP8 codes and scales of x and of h are bit-exact
-against ``quantize_per_token`` applied to the same fp32 input (the quantization runs on VectorE: the reciprocal is
-taken as correctly rounded [ISA reciprocal], the docs stating no ScalarE-like approximation for it); the matmuls are
-exact products with fp32 accumulation whose order is the device's (only accumulation order and the ScalarE SiLU
-differ from the fp32 torch reference); so y agrees with ``fp8_expert`` to fp32 rounding,
-except that h, being re-quantized, can land on the other side of an FP8 rounding midpoint, which moves
-y by at most one FP8 step of h times the w2 row (see the tests for the bound). The SiLU polynomial's error is
-undocumented: with it off by 2^-10 (the emulator's perturbation model) h moves by that much more and up to ~3 % of
-h's codes take a neighbouring value; the bounds above hold with that (tests: the "device" cases). The fp32 PE
-transposes of x, of the row scales and of the output must be exact ("bit-exact on v3+" [ISA nc_transpose]).
+Design (math, layout, weight layout, routing, LNC=2, DMA traffic, numerics): docs/kernels.md, section
+'FP8 expert kernel (`kernels/fp8_expert_nki.py`): design'.
 """
 
 from __future__ import annotations
@@ -126,7 +35,7 @@ PSUM_BANK_F32 = 512
 # routing layout and torch-facing entry
 # ---------------------------------------------------------------------------------------------
 class ExpertBlocks(NamedTuple):
-    """fp8_experts_kernel's routing inputs (see the module docstring)."""
+    """fp8_experts_kernel's routing inputs (docs/kernels.md, FP8 expert kernel design: "Routing layout")."""
 
     expert: torch.Tensor  # [NB] int32
     active: torch.Tensor  # [NB] int32

@@ -1,114 +1,16 @@
-"""Absorbed latent decode attention (MLA-Trinity's global layers) as an NKI kernel for trn2 (NKI 0.7/0.8: compiled
-`nl.fori_loop`s, LNC=1 or 2): the kernel, its host wrapper `latent_decode_nki` and its cost formula
-`latent_decode_cost`.
+"""Absorbed latent decode attention (MLA-Trinity's global layers) as an NKI kernel for trn2 (NKI 0.7/0.8, LNC=1 or 2).
 
-The op (its math, its definition `latent_decode_reference` and the torch path) is in latent_decode.py;
-`latent_decode_nki` takes the same arguments plus a runner and returns the same result. NKI semantics the
-kernel relies on: docs/nki.md (section 9 (a) for the idioms) and the emulator's notes (kernels/nki_emu).
+Entry points: the kernel `latent_decode_kernel`, its host wrapper `latent_decode_nki` (the op's arguments plus a
+runner, the same result; `kernel_inputs` expands the block table into the per-key row table the kernel reads) and its
+cost formula `latent_decode_cost`. The op's math, its definition `latent_decode_reference` and the torch path are in
+latent_decode.py. The batch rows and a row's 128-key tiles are `nl.fori_loop`s; a masked key is pointed at the
+sequence's key 0 and selected away, never addressed out of bounds. LNC=2: program p decodes its half of the batch rows
+(at B = 1 one core idles). Numerics: the only rounding below fp32 is p, cast to the cache dtype for the p^T C matmul
+(p d_i to bf16 with an FP8 cache); every output row is bit-identical to the sequence's single-sequence run at either
+LNC, and NaN or garbage past a sequence's end changes no bit.
 
-Indices. The torch-facing entry (`kernel_inputs`) expands the block table into a per-key row table `rows [B, bucket]`
-int32 (row_i for i < L_b, the out-of-range row `cache.shape[0]` after). Computing rows in the kernel would take a
-second, dependent indirect DMA per tile (the block ids of the tile's keys when bs < 128), and vLLM's block table can
-be narrower than the bucket; the table costs 4 B per key of HBM reads beside the 512 + 16 B of latent and key scales
-and one small elementwise torch op. The kernel reads only the table's entries of keys i < ceil(L_b / 128) * 128 and
-does not trust even those past L_b.
-
-Masked keys are never addressed out of bounds. The docs confirm that a dynamic DMA's out-of-bounds check with
-`oob_mode.skip` "silently skips" the access, but not which bound is checked (the indexed dimension or the whole
-tensor), whether a skipped row's source is read at all, what a skipped destination row then holds, nor whether it
-costs a descriptor (docs/nki.md section 3.1), and a tile buffer allocated in a compiled loop body is reused across
-iterations. So the kernel does not rely on skipping: the last tile's keys past
-L_b are pointed at the sequence's key 0 (always real: L_b >= 1) by a predicated copy of the row indices, gathered
-like any key (the default `oob_mode.error`), and their scores are replaced by FP32_MIN by selection (`range_select`),
-so their p is exactly 0 and meets only finite latents. Rows past L_b of the table, the cache, the key scales and the
-dequantization scales are never read: NaN or garbage there changes no bit.
-
-Loops (NKI 0.7+: `range`/`affine_range` unroll at trace time; only `nl.fori_loop` stays a loop): the batch rows are
-one `fori_loop` (register b), the 128-key tiles of a row another, whose bounds are loaded at run time into registers:
-tile n runs over [b NT, b NT + ceil(L_b / 128)) of the flat table `rows` viewed [B NT, 128] (NT = bucket / 128;
-there is no register arithmetic, so b NT lives in a (1, 1) SBUF counter that each row advances by NT). So the
-program (~90 instructions at Trinity-Mini's geometry) is the same for every bucket and batch, and a row runs only
-its own tiles. Inside the bodies nothing is sliced by a Python int that changes per iteration: q_b, L_b, the row of
-key 0 and out_b are addressed with `.ap(scalar_offset=b)`, the tile's row indices with `scalar_offset=n`, the running
-remainder rem = L_b - 128 t (per partition, fp32) masks the tile, and the running max is copied between tiles (no
-ping-pong by tile parity).
-
-LNC=2 (Trn2's default): `nl.program_id(0)` p decodes the batch rows [p ceil(B/2), (p+1) ceil(B/2)) (program 1 gets
-one row fewer at an odd B, none at B = 1). Each core reads the weights once (private SBUF) and its rows' history;
-every row runs the same instructions on either core, so the output is bit-identical to LNC=1. At B = 1 one core idles
-(splitting a row's tiles over the cores would need a cross-core merge of the online softmax).
-
-Tiling (P = 128 partitions; H = 32, Hkv = 4, hd = 128, r = 256 at full size; RC = r / 128):
-- Once per call: gamma, W_k as [hd, Hkv, r] fp32 (hd on partitions: the stationary of q~'s contraction over hd),
-  W_v PE-transposed into [r % 128, RC, Hkv, hd] fp32 (r on partitions: the output's contraction over r).
-- Per row: L_b and the row of key 0 broadcast to the partitions (DMA), the tile range (two VectorE ops, two register
-  loads), q_b [H, hd] PE-transposed and scaled by gamma * scale, then q~^T [r, H] fp32 = RC x Hkv matmuls (stationary
-  W_k,g chunk [hd, 128], moving [hd, G]); running state U [H, r], l [H, 1] and -m [H, 1] in SBUF, fp32.
-- Per 128-key tile: 3 DMAs (4 with an FP8 cache), RC + 2 PE transposes, RC + 1 matmuls, 13 VectorE/ScalarE
-  instructions:
-  1. the tile's row indices [128, 1] (one DMA), keys p >= rem re-pointed at key 0 (compare, copy, predicated copy);
-     one indirect DMA gathers the tile's latents C [128 keys, r], one more their key scales S [128 keys, Hkv] with
-     the same indices;
-  2. C^T [r, 128 keys] by RC PE transposes into one PSUM bank, copied to SBUF as fp32;
-  3. scores [128 keys, H] = RC accumulating fp32 matmuls (stationary C^T chunk, moving q~^T chunk), times S
-     broadcast over the G heads of each group (keys are the partitions here, so the per-key, per-group scale is one
-     stride-0 operand), PE-transposed to [H, 128 keys];
-  4. range_select keeps keys j < rem and puts FP32_MIN elsewhere (selection, never a product), giving the tile's
-     row max in the same instruction;
-  5. online softmax: -m_new = min(-m, -rowmax); alpha = exp(m - m_new); p = exp(score - m_new) with its row sum
-     from the same ScalarE instruction; l = alpha l + rowsum; -m = -m_new. The running max starts at FP32_MIN and
-     tile maxima are >= FP32_MIN, so the state is never infinite and -inf - -inf cannot occur;
-  6. p^T [128 keys, H] by one PE transpose; U = alpha U + p^T^T C: one matmul whose moving operand is C [128 keys,
-     r] as gathered, so the sum stays in latent space; rem -= 128.
-- After the row's last tile: u = U / l, u^T by RC PE transposes, out_b = Hkv x RC matmuls into one PSUM bank
-  [G, Hkv * hd] (stationary u^T of group g, moving W_v,g^T chunk), one DMA to out[b].
-PSUM: 7 sites of one 2 KiB bank each (a scratch bank for setup and per-row work, the output bank, and per tile C^T,
-scores, scores^T, p^T, p^T C). SBUF per partition at full size: ~20 KiB whatever the bucket.
-
-FP8 latent cache (`latent_scales` given: codes float8_e4m3, |code| <= 240, c_i = d_i * code_i; the op's
-docstring). The tile moves as FP8, 1 B per element (half of bf16's HBM bytes), and its keys' d_i
-[128 keys, 1] fp32 come in one more indirect gather with the same indices (4 B per key). d_i is folded
-into the per-key factors, never into the r-wide tile: keys are on the partitions both where the scores
-get their key scale and where p^T leaves PSUM, so d_i is a per-partition scalar there and costs no
-instruction of its own:
-  1'. after the gathers, C8 is copied on chip to a bf16 tile C (exact: every E4M3 value is a bf16
-     value) because the TensorE has no FP8 transpose [L-ABT] and fp32 operands pair only with fp32;
-     C then feeds steps 2 and 6 as a bf16 cache's tile does (C^T copied out as fp32);
-  3'. scores = (sc_ps * d_i) * S in one scalar_tensor_tensor (instead of the tensor_tensor);
-  5'. p stays fp32 (the activation's output) and is PE-transposed as fp32;
-  6'. p^T d_i is the PSUM eviction (tensor_scalar, instead of the tensor_copy), rounded once to bf16,
-     the stationary of the bf16 x bf16 matmul with C.
-Per tile: 4 DMAs, the same PE instructions, one more VectorE instruction (the upcast).
-
-DMA traffic per call (HBM side; `latent_decode_cost` gives the formulas, equal to the emulator's counters): per row
-ceil(L_b / 128) tiles of 128 keys (latents, key scales, an FP8 cache's dequantization scales, 4 B of row index each),
-L_b and the row of key 0 broadcast (2 x 512 B), q and out; per core the weights and gamma once. The analytic minimum
-is every valid key's latent and scales once, q, out, the weights and gamma: at full size, B = 32 and 2k-16k context
-the kernel moves at most 0.9% more. Per valid key at full size: 512 + 16 B with a bf16 cache, 256 + 16 + 4 B with an
-FP8 one. The time is not the bytes' (docs/kernels.md, cost table): every key is its own descriptor in each gather
-(512 B of latents, 16 B of key scales, 4 B of row index, 4 B of d_i), so in the emulator's DMA model (per descriptor
-22.3 ns + bytes at 23 B/ns) a tile keeps the busiest DMA engine ~720 ns (bf16) where its 68 KB alone would take
-~185 ns: the kernel is descriptor-bound, ~4x the bytes' minimum time, and an FP8 cache, with its extra 4-byte gather,
-is no faster by this measure though it moves 1.9x fewer bytes. Gathering whole blocks (bs keys per descriptor, key
-scales stored beside the latents) would fix that; it needs the cache layout to change (docs/kernels.md).
-
-Numerics contract. The only rounding below fp32 is p, cast to the cache dtype for the p^T C matmul (its
-operands must pair with the latents; with an FP8 cache p d_i, cast to bf16); q~, C^T (copied out as
-fp32) and the score matmul are fp32, the query and output projections are fp32 whatever the weights'
-dtype, every matmul accumulates in fp32 PSUM, and the softmax state is fp32. So with an fp32 cache the
-kernel equals the fp32 torch reference to fp32 rounding (summation order, online vs full softmax, scale
-folded into q); with a bf16 cache out_h moves by at most 2^-8 sum_i p_i |v_i|. With an FP8 cache the
-reference is the dequantized latents c_i = d_i code_i: the codes enter both matmuls exactly, the scores'
-d_i s_g,i is fp32, and the one rounding is p_i d_i (formed in fp32) to bf16, so out_h moves by at most
-2^-8 sum_i p_i |v_i| as with bf16 (the FP8 quantization itself is the cache's, not the kernel's). The
-score path stays in fp32 because q~ . c cancels heavily: rounding q~ to bf16 as well costs several times
-that error (docs/kernels.md). That assumes TensorE forms fp32 products exactly; the docs do not say how it does
-(UNCONFIRMED). Under the emulator's models of a device whose fp32 operands are rounded to tf32 or bf16 and whose exp
-is off by 2^-10, the error stays within 4 u + 2^-10 x 4 (+ 2^-8 with a 16-bit cache) of max |out| per sequence
-(tests/test_latent_decode_nki.py::test_tolerance_holds_under_device_numerics).
-Bit-exact: every sequence of a batch runs the same instruction sequence on the same shapes (nothing is batched across
-sequences), on either core at LNC=2, so each output row equals the sequence's single-sequence run at any LNC; NaN or
-garbage in cache rows, key scales, dequantization scales or table entries past L_b changes no bit.
+Design (indices, masking, loops, tiling, DMA traffic, numerics): docs/kernels.md, section
+'Latent decode kernel (`kernels/latent_decode_nki.py`): design'.
 """
 
 from __future__ import annotations
@@ -138,8 +40,8 @@ def latent_decode_kernel(q, gamma, w_k, w_v, cache, key_scales, rows, seq_lens, 
     The shapes are compile-time, the lengths are not: B and the bucket (rows.shape[1], a multiple of 128) size no
     loop of the program (both loops are `nl.fori_loop`s, the tile loop's trip count ceil(L_b / 128) loaded at run
     time). At LNC=2 program p decodes its half of the batch rows. Limits: hd <= 128, H <= 128, r a multiple of 128
-    and <= 512, Hkv * hd <= 512 (one PSUM bank each for p^T C and the output). Tiling and numerics: the module
-    docstring.
+    and <= 512, Hkv * hd <= 512 (one PSUM bank each for p^T C and the output). Tiling and numerics: docs/kernels.md,
+    section 'Latent decode kernel (`kernels/latent_decode_nki.py`): design'.
     """
     B, H, hd = q.shape
     Hkv, _, r = w_k.shape
@@ -467,7 +369,7 @@ def latent_decode_cost(
     latent_bytes = r * (1 if fp8 else cache_bytes)
     per_key = latent_bytes + Hkv * 4 + (4 if fp8 else 0)
     weights = 2 * Hkv * hd * r * w_bytes
-    # instructions of the program text (module docstring): once, per sequence, per tile
+    # instructions of the program text (docs/kernels.md, latent decode kernel design): once, per sequence, per tile
     once = 8 + 2 * Hkv * RC
     per_row = 20 + 2 * RC * Hkv + RC
     per_tile = 20 + 2 * RC + (2 if fp8 else 0)

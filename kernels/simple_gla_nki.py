@@ -1,79 +1,17 @@
-"""Simple GLA decode step (Laplace's mixer, one token per sequence) as an NKI kernel for trn2 (NKI 0.7/0.8: compiled
-`nl.fori_loop`s, LNC=1 or 2): the kernel `gla_decode_kernel`, its host wrapper `gla_decode_nki` and its cost formula
-`gla_decode_cost`.
+"""Simple GLA decode step (Laplace's mixer, one token per sequence) as an NKI kernel for trn2 (NKI 0.7/0.8, LNC=1 or 2).
 
-Math, per sequence b of the batch and head h (lambda_h = exp(log_decay[h]), S_h in fp32)::
+Entry points: the kernel `gla_decode_kernel`, its host wrapper `gla_decode_nki` (the op's signature plus `runner`;
+`state_rows` views vLLM's state pool as the kernel's rows) and its cost formula `gla_decode_cost`. The op
+(S_h <- lambda_h S_h + k_h v_h^T, o_h = scale q_h^T S_h + sigmoid(sum_c q_h,c aug_h,c k_h,c) v_h, the state of
+sequence b updated in place in `state_pool[slots[b]]`, slot -1 a padding row whose state is never addressed and whose
+output is zero) is defined by `simple_gla_decode_step` in simple_gla.py, also the model's torch path. The rows are an
+`nl.fori_loop`, the heads worked in groups (`head_groups`). LNC=2: program p takes heads [p H/2, (p+1) H/2) of every
+row (one head group). Numerics: all math is fp32, only a bf16 output being rounded below it; the new states are
+bit-exact against the torch path (UNCONFIRMED on hardware), o agrees to fp32 roundoff, and outputs and states are
+bit-identical at LNC=1 and 2.
 
-    S_h <- lambda_h * S_h + k_h v_h^T                                   [dk, dv]
-    o_h  = scale * q_h^T S_h + sigmoid(sum_c q_h,c aug_h,c k_h,c) * v_h   [dv]
-
-The state of sequence b lives in `state_pool[slots[b]]`, read and written in place; slot -1 is
-a padding row: its state is neither read nor written and its output is zero. The definition of
-the op is `simple_gla_decode_step` (simple_gla.py, also the model's torch path);
-`gla_decode_nki` has the same signature plus `runner`.
-
-Kernel arguments (prepared by `gla_decode_nki`, no data copies): q, k [B, H, dk] and v [B, H, dv]
-as the model holds them (bf16 or fp32); aug [H, dk]; lam [H] fp32 = torch.exp(log_decay), the
-reference's own expression, so lambda is bit-identical (ScalarE's exp is a polynomial and would
-not be); the pool as rows [num_slots, E], E >= H*dk*dv, slot s's state at row s, elements
-[h*dk*dv + c*dv + e] (vLLM 0.32's layer pool is a strided view whose slot stride is the state page,
-the GLA state first, then the conv window, so E = page size / 4 and the rows alias the pool, see
-`state_rows`); slots [B] int32; scale (compile-time float).
-
-Layout (`head_groups`): the heads are worked in groups of HG = H / 2 (H odd: all H), each group's state on HG * M
-<= 128 partitions, partition (h, m) holding rows m J .. m J + J - 1 of head h's [dk, dv] state (M the largest divisor
-of dk that fits, J = dk / M; Laplace: HG = 8, M = 16, J = 6). Those J rows are contiguous in the slot's row, so one
-DMA brings a group's state in and one writes it back with one descriptor per partition of J dv 4 bytes (4.6 KiB at
-Laplace's shape; before, dk on the partitions: one 768-byte descriptor per head and partition, ~60 % of the DMA
-engines' rate in the emulator's model against ~90 %), over all 16 DMA engines.
-
-Per group of a real row (tiling; H <= 128, dk <= 128, dv <= 512):
-- S [NP, J, dv] fp32 (NP = HG M) in; q and k in the same layout, qq, kk [NP, J] (one run of J per partition); v as
-  [HG, dv] (heads on partitions), spread onto each head's M partitions by one matmul with a 0/1 matrix (exact: a
-  single product by 1.0 per element, v's bf16 values exact at any operand width).
-- S = (S * lambda_h) + k_c v_e: the product in one VectorE tensor_tensor (both operands stride-0 broadcasts), the
-  update in one scalar_tensor_tensor (lambda a per-partition scalar): two fp32 roundings, torch's `lam * S + kv`
-  exactly. S back to its slot.
-- q^T S: J accumulating matmuls, stationary j = [NP, HG] with column h = q_h's row m J + j on head h's partitions
-  and 0 elsewhere (qq times a 0/1 head mask, one VectorE op), moving S[:, j, :] -> O [HG, dv] (heads on partitions).
-- gate: (q * aug) * k summed over J per partition (two VectorE ops, one reduce), then over a head's M partitions by
-  a matmul with the 0/1 head mask, sigmoid (ScalarE) -> g [HG, 1]; o = (O * scale) + g v (PSUM -> SBUF, cast).
-- o[b] of the group's heads: one DMA, for a padding row the zeros the row body set.
-- PSUM: 3 allocation sites (v spread [NP, dv], O [HG, dv], logit [HG, 1]). SBUF per partition at Laplace's shape:
-  S and kv 4.6 KiB each, a few hundred bytes of masks and rows.
-
-Loops and padding (NKI 0.7+: only `nl.fori_loop` stays a loop): the rows are one `fori_loop` (register b; q, k, v, o
-and the slot addressed with `.ap(scalar_offset=b)`), the head groups a Python loop (two bodies at LNC=1, one at
-LNC=2; H is fixed per model). A row's slot comes in as a (1, 1) tile, `slot >= 0` is loaded into a register, and all
-of the row's state work sits in `fori_loop(0, that register)`: one trip for a real row, none for a padding row (-1),
-whose state is therefore never addressed (no reliance on `oob_mode.skip`, whose bound and destination contents the
-docs leave open: docs/nki.md section 3.1); its q, k, v are not read and its output row is the zeros written
-before the loop. Emitted instructions: 66 at LNC=1, 40 at LNC=2 (Laplace), whatever B.
-
-LNC=2 (Trn2's default): program p takes heads [p H/2, (p+1) H/2) of every row (one head group). The group size does
-not depend on the LNC degree, so each program does exactly what the LNC=1 program does for that group: outputs and
-states are bit-identical to LNC=1. Each core moves half of every real state (the two cores write disjoint parts of a
-slot's row).
-
-DMA traffic per call (bytes, HBM side; R = B - #padding rows, isz = q/k/v itemsize, osz = output itemsize): state
-2*R*H*dk*dv*4 + q, k, v of the real rows once (R*H*(2dk+dv)*isz) + o B*H*dv*osz + aug, lam once per core + a slot
-number per row: within 0.1 % of the analytic minimum (each real state read and written once, q, k, v, o once). See
-`gla_decode_cost` (equal to the emulator's counters).
-
-Numerics contract (all math fp32):
-- S: bit-exact vs the reference. k v^T is a single product per element (VectorE, correctly rounded fp32) and
-  `scalar_tensor_tensor` rounds (S * lambda) to fp32 and then the sum, exactly torch's `lam * S + kv` (two
-  separately rounded fp32 ops; no fused multiply-add on either side). UNCONFIRMED on hardware: that VectorE rounds
-  between op0 and op1 (the emulator and the NKI docs' "compute in fp32" say so), and for fp32 activations that TensorE
-  passes an fp32 value through a product by 1.0 exactly (the v spread; bf16 v is exact at any operand width).
-- o: q^T S and the gate's sum over dk are fp32 sums in another order than torch's (PSUM accumulation, VectorE
-  reductions), so o agrees with the reference to fp32 roundoff (tests: 1e-6 of max|o|), and bf16 outputs to within
-  one bf16 ulp. Padding rows are +0.0 exactly. The emulator sums each matmul exactly and rounds once; under its models
-  of a device whose fp32 TensorE operands are rounded to tf32 or bf16 and whose sigmoid is off by 2^-10, o stays
-  within 4 u + 2^-10 x 4 + 2^-8 of max |o| per row and the states stay bit-exact
-  (tests/test_simple_gla_nki.py::test_tolerance_holds_under_device_numerics).
-- A head whose state holds inf/NaN spreads NaN to the other heads of its group's output (the masked matmuls add
-  0 * inf); the reference keeps it to that head. States of a real model are finite (lambda < 1).
+Design (math, kernel arguments, layout, tiling, loops and padding, DMA traffic, numerics): docs/kernels.md, section
+'GLA decode kernel (`kernels/simple_gla_nki.py`): design'.
 """
 
 from __future__ import annotations
@@ -110,7 +48,8 @@ def gla_decode_kernel(q, k, v, aug, lam, state, slots, scale):  # noqa: ANN001, 
     fp32 with slot s's [H, dk, dv] state at state[s, :H*dk*dv]; slots [B] int32 (-1 = padding);
     scale a compile-time float. The heads are worked in groups (`head_groups`); at LNC=2 program p takes heads
     [p H/2, (p+1) H/2) of every row, one group. The batch is a `nl.fori_loop` (B sizes no code); a padding row's state
-    work sits in a zero-trip loop. Math, tiling and numerics: see the module docstring.
+    work sits in a zero-trip loop. Math, tiling and numerics: docs/kernels.md, section
+    'GLA decode kernel (`kernels/simple_gla_nki.py`): design'.
     """
     B, H, dk = q.shape
     dv = v.shape[2]

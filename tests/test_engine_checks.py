@@ -15,6 +15,7 @@ import torch
 from vllm.config.speculative import MTPModelTypes, SpeculativeMethod
 
 from vllm_trn_plugin.engine_checks import AUX_HIDDEN_STATE_METHODS, STATEFUL_OPS
+from vllm_trn_plugin.models import MODELS
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,18 @@ def test_stateful_ops_are_splitting_ops(model: str, laplace_ckpt: Path, trinity_
     ops = cfg.compilation_config.splitting_ops
     assert all(op in ops for op in stateful), ops
     assert "vllm::unified_attention_with_output" in ops  # vLLM's own stay
+
+
+def test_the_models_table_names_every_trn_op() -> None:
+    """models.MODELS is where the plugin's ops are named (splitting ops for the engine config, kernel ops the
+    Neuron graphs must not hold): an op registered but not named there, or a name that is no registered op (renamed
+    or removed), fails here rather than leaving a graph unsplit or a Neuron graph unchecked."""
+    import vllm_trn_plugin.model_executors.laplace  # noqa: F401  (registers the trn:: ops)
+    import vllm_trn_plugin.model_executors.trinity_mla  # noqa: F401
+
+    registered = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("trn::")}
+    named = {op for m in MODELS.values() for op in (*m.splitting_ops, *m.kernel_ops)}
+    assert registered == named, (sorted(registered - named), sorted(named - registered))
 
 
 @pytest.mark.parametrize(

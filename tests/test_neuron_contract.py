@@ -36,10 +36,12 @@ from tests.fakes.neuron_runner import (
     runner_config,
 )
 from tests.helpers import count_calls, greedy_params, random_prompts, token_prompts, trn2_recipe_argv
-from vllm_trn_plugin.kernels.dispatch import KERNEL_OPS
 from vllm_trn_plugin.kernels.fp8 import FP8_DTYPE
+from vllm_trn_plugin.models import MODELS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.neuron]  # run on vLLM 0.29 (Makefile: test-vllm029)
+
+KERNEL_OPS = tuple({op for m in MODELS.values() for op in m.kernel_ops})
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ References, each independent of the kernel:
   lambda_h = 2^(-1/T_h), T_h geometric in [1, 2048], computed in float64:
       S <- lambda_h S + k v^T ;  o = scale q^T S + sigmoid(sum_c q_c a_h,c k_c) v.
 
-Contracts checked (module docstring of the kernel):
+Contracts checked (the kernel's numerics contract: docs/kernels.md, section
+'GLA decode kernel (`kernels/simple_gla_nki.py`): design'):
 - new states bit-exact vs the torch reference (same fp32 operations);
 - o vs the torch reference: fp32 outputs within 1e-6 (normwise, fp32 sums in another order),
   bf16 outputs within one bf16 ulp (plus that 1e-6);

@@ -1,5 +1,6 @@
 """The plugin's models, one row each; everything that names them reads this table (registration, the Neuron
-entry, the packed format's quantization method, the gate, the engine checks). Plain data: importing it loads
+entry, the packed format's quantization method, the gate, the engine checks) and names its ops, every trn:: op
+the plugin registers (tests/test_engine_checks.py holds the two to each other). Plain data: importing it loads
 nothing (classes are "module:Class" paths, resolved by whoever builds them)."""
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ class PluginModel:
     neuron_class: str  # the same model behind vLLM Neuron's model contract (vllm_trn_plugin/neuron/)
     engine_checks: str  # its vLLM config hook: refusals, splitting ops (engine_checks.py)
     splitting_ops: tuple[str, ...]  # its opaque ops whose work depends on runtime metadata or data
+    kernel_ops: tuple[
+        str, ...
+    ]  # its kernel ops (kernels/dispatch.py): the NKI kernel on Neuron, never in a Neuron graph
 
 
 MODELS: dict[str, PluginModel] = {
@@ -26,6 +30,7 @@ MODELS: dict[str, PluginModel] = {
             "vllm_trn_plugin.neuron.laplace:LaplaceNeuronModel",
             "vllm_trn_plugin.engine_checks:LaplaceEngineChecks",
             ("trn::laplace_mixer",),
+            ("trn::gla_decode_step", "trn::fp8_linear"),
         ),
         PluginModel(
             "TrinityMLAForCausalLM",
@@ -33,6 +38,7 @@ MODELS: dict[str, PluginModel] = {
             "vllm_trn_plugin.neuron.trinity_mla:TrinityMLANeuronModel",
             "vllm_trn_plugin.engine_checks:TrinityMLAEngineChecks",
             ("trn::latent_attention", "trn::fp8_experts"),
+            ("trn::latent_decode", "trn::fp8_experts", "trn::fp8_linear"),
         ),
     )
 }
