@@ -147,9 +147,13 @@ def test_every_speculative_method_refused_at_start(
     model: str, method: str, laplace_ckpt: Path, trinity_ckpt: Path, tmp_path: Path
 ) -> None:
     """EAGLE, EAGLE3 and every other method: refused when the config is built, naming the option, the method and why
-    (or, for those in _VLLM_REFUSES, by vLLM before the plugin's check)."""
+    (or, for those in _VLLM_REFUSES, by vLLM before the plugin's check); MLA-Trinity serves n-gram
+    (test_trinity_speculative.py checks its output)."""
     target = laplace_ckpt if model == "laplace" else trinity_ckpt
     spec = _speculative_config(method, target, tmp_path)
+    if (model, method) == ("trinity", "ngram"):
+        assert _config(target, speculative_config=spec).speculative_config.method == "ngram"
+        return
     if method in _VLLM_REFUSES:
         error, message = _VLLM_REFUSES[method]
         with pytest.raises(error, match=message):
@@ -160,10 +164,19 @@ def test_every_speculative_method_refused_at_start(
     elif method in AUX_HIDDEN_STATE_METHODS:
         why = "these drafts read the target's intermediate hidden states, and the model returns none"
     else:
-        why = "not verified with the latent cache"
+        why = "of vLLM's methods only n-gram"
     option = rf"--speculative-config \(speculative decoding, method '{method}'\)"
     with pytest.raises(ValueError, match=f"cannot be served with {option}: {why}"):
         _config(target, speculative_config=spec)
+
+
+def test_ngram_refused_under_the_neuron_runner(trinity_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM Neuron's runner drives the contract adapter, whose decode step has no verification path: n-gram, served
+    on vLLM's own runner, is refused there."""
+    monkeypatch.setenv("VLLM_TRN_NEURON_ENTRY", "neuron")
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    with pytest.raises(ValueError, match="method 'ngram'.*under vLLM Neuron's runner"):
+        _config(trinity_ckpt, speculative_config=spec)
 
 
 def test_gla_metadata_on_the_model_device(laplace_ckpt: Path) -> None:

@@ -15,7 +15,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import greedy_params, random_prompts, raw_logits_llm, token_prompts, worker_functions_allowed
+from tests.helpers import (
+    FP8_LATENT_LOGIT_TOL,
+    greedy_params,
+    random_prompts,
+    raw_logits_llm,
+    token_prompts,
+    worker_functions_allowed,
+)
 from tests.references.afmoe import cached_latent_model, check_against_hf_greedy, hf_greedy, load_hf_model
 from tests.references.packed import fp8_activation
 from vllm_trn_plugin.kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_per_token
@@ -157,17 +164,13 @@ def test_fp8_latent_cache_is_what_vllm_allocates(fp8_llm: Any) -> None:
         assert c["key_scales"] == c["latent_scales"] == c["rows"], c
 
 
-LOGIT_TOL = 5e-3
-
-
 @pytest.mark.vllm
 def test_fp8_latent_engine_equals_float64_model_with_the_same_rounding(pair: tuple[Any, Any], fp8_llm: Any) -> None:
     """Greedy tokens and every step's logits of the served FP8 latent (float32, chunked prefill of the 300-token
     prompt, decode through the absorbed op) against transformers in float64 with the latent rounded alike, within
-    LOGIT_TOL: float32 noise can move a latent element across an FP8 rounding midpoint (one code step, 2^-3 of that
-    element), which moves the logits by up to ~1e-3 on this model. And the format is really in play: at every
-    prompt's first step the served logits are > 10x closer to the rounded model than to the unrounded one (a cache
-    that kept the latent unrounded, or dropped a dequantization scale, fails that)."""
+    FP8_LATENT_LOGIT_TOL (float32 noise moving a latent element across an FP8 rounding midpoint). And the format is
+    really in play: at every prompt's first step the served logits are > 10x closer to the rounded model than to the
+    unrounded one (a cache that kept the latent unrounded, or dropped a dequantization scale, fails that)."""
     _, mla = pair
     llm, _ = fp8_llm
     prompts = random_prompts(3, [5, 60, 300], seed=17)
@@ -176,7 +179,7 @@ def test_fp8_latent_engine_equals_float64_model_with_the_same_rounding(pair: tup
     worst, ratios = [0.0], []
     for p, out in zip(prompts, outs):
         ref = hf_greedy(rounded, p, STEPS)
-        check_against_hf_greedy(out, ref, f"FP8 latent, prompt of {len(p)} tokens", LOGIT_TOL, worst)
+        check_against_hf_greedy(out, ref, f"FP8 latent, prompt of {len(p)} tokens", FP8_LATENT_LOGIT_TOL, worst)
         first = out.outputs[0].logprobs[0]
         served = torch.tensor([first[t].logprob for t in range(VOCAB)], dtype=torch.float64)
         to_rounded = float((served - ref["prefill_logits"].double()).abs().max())
@@ -294,7 +297,7 @@ def test_bad_latent_cache_dtype_is_refused_at_start(pair: tuple[Any, Any]) -> No
 def test_fp8_latent_at_tp2_equals_the_float64_model_with_the_same_rounding(pair: tuple[Any, Any]) -> None:
     """Tensor parallel 2: every rank caches the whole latent in FP8 (its own scale stores beside it) and serves its
     own heads from it; the greedy tokens and logits are those of the float64 model with the latent rounded alike,
-    within LOGIT_TOL, as at TP 1."""
+    within FP8_LATENT_LOGIT_TOL, as at TP 1."""
     _, mla = pair
     prompts = random_prompts(2, [5, 200], seed=31)
     with worker_functions_allowed():
@@ -320,5 +323,5 @@ def test_fp8_latent_at_tp2_equals_the_float64_model_with_the_same_rounding(pair:
     rounded, worst = cached_latent_model(mla, "fp8"), [0.0]
     for p, out in zip(prompts, outs):
         check_against_hf_greedy(
-            out, hf_greedy(rounded, p, 8), f"FP8 latent at TP 2, prompt of {len(p)}", LOGIT_TOL, worst
+            out, hf_greedy(rounded, p, 8), f"FP8 latent at TP 2, prompt of {len(p)}", FP8_LATENT_LOGIT_TOL, worst
         )

@@ -6,34 +6,10 @@ starts (API server, engine core, workers), so it is idempotent and imports nothi
 
 from __future__ import annotations
 
-import os
-
+from vllm_trn_plugin.envs import neuron_runner_active
 from vllm_trn_plugin.models import MODELS, resolve
 
 _registered = False
-
-# Under vLLM Neuron's runner (vllm-neuron 0.29 / GA, Trn2/Trn3) the runner, not vLLM, drives the model
-# through its own contract (from_configs / get_kv_spec / bind_kv_cache / load_weights / forward with attn_metadata):
-# the same architecture names then resolve to the contract adapters (vllm_trn_plugin/neuron, docs/trainium.md).
-NEURON_ENTRY = "VLLM_TRN_NEURON_ENTRY"  # auto | neuron | vllm
-
-
-def _neuron_runner_active() -> bool:
-    mode = os.environ.get(NEURON_ENTRY, "auto")
-    if mode not in ("auto", "neuron", "vllm"):
-        raise ValueError(f"{NEURON_ENTRY}={mode!r}: expected auto, neuron or vllm")
-    if mode != "auto":
-        return mode == "neuron"
-    import importlib.util
-
-    try:  # vLLM Neuron ships its own runner package; the older NxD generation does not
-        if importlib.util.find_spec("vllm_neuron.vllm.worker") is None:
-            return False
-    except Exception:  # not installed, or PyPI's placeholder (which refuses to import)
-        return False
-    from vllm.platforms import current_platform
-
-    return getattr(current_platform, "device_type", "") == "neuron"
 
 
 def _init_cpu_amx() -> None:
@@ -60,7 +36,7 @@ def register() -> None:
     _init_cpu_amx()
     AutoConfig.register("laplace", LaplaceConfig, exist_ok=True)
     supported = set(ModelRegistry.get_supported_archs())
-    neuron = _neuron_runner_active()
+    neuron = neuron_runner_active()
     for arch, m in MODELS.items():
         if arch not in supported:
             ModelRegistry.register_model(arch, m.neuron_class if neuron else m.vllm_class)

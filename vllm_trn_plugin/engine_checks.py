@@ -5,12 +5,14 @@ hooks, `MODELS_CONFIG_MAP`), before any engine or worker process starts.
   every token a step feeds it, so speculative decoding (of any method: vLLM rolls rejected drafts back only in
   attention caches) would leave it past the accepted tokens. MLA-Trinity keeps a key-scale store beside vLLM's latent
   blocks (model_executors/latent_attention.py), so anything that moves or copies blocks outside the model's forward
-  (KV connectors, KV offloading, disaggregated prefill) would move latents without their scales; its speculative
-  decoding has not been verified against the latent cache, and the drafts that read the target's intermediate hidden
-  states (EAGLE3 and its kin) would get none from its model. LoRA (--enable-lora): Laplace does not implement vLLM's
-  LoRA interface; MLA-Trinity inherits it from vLLM's AFMoE, but its latent layers read kv_b_proj as a plain matrix
-  inside the attention math, where vLLM's LoRA layers never apply, and on vLLM's CPU build LoRA moves the routed
-  experts to a Triton kernel that build cannot run.
+  (KV connectors, KV offloading, disaggregated prefill) would move latents without their scales. Of the speculative
+  methods it serves n-gram (prompt lookup): a verification step's k + 1 tokens per request run the latent layers'
+  prefill path over the cached context, and a rejected draft's latent and key scale sit in slots the next step
+  writes again; the draft-model methods are refused (unverified), and those that read the target's intermediate
+  hidden states (EAGLE3 and its kin) would get none from its model. LoRA (--enable-lora): Laplace does not implement
+  vLLM's LoRA interface; MLA-Trinity inherits it from vLLM's AFMoE, but its latent layers read kv_b_proj as a plain
+  matrix inside the attention math, where vLLM's LoRA layers never apply, and on vLLM's CPU build LoRA moves the
+  routed experts to a Triton kernel that build cannot run.
 - Refused, each with its reason: parallel layouts a model does not have. Laplace is served one replica per core
   (3.0B parameters and its states fit one 24 GiB core; more cores serve more replicas, behind the router or with
   --data-parallel-size), so it has no tensor-parallel layout. MLA-Trinity's routed experts under
@@ -35,6 +37,7 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 from vllm.model_executor.models.config import MambaModelConfig, VerifyAndUpdateConfig
 
+from vllm_trn_plugin.envs import neuron_runner_active
 from vllm_trn_plugin.models import MODELS
 
 if TYPE_CHECKING:
@@ -100,13 +103,14 @@ def _refuse_features(
     block_movers: str,
     lora: str,
     aux_hidden_states: str | None = None,
+    speculative_served: tuple[str, ...] = (),
 ) -> None:
     """Raise, naming the option and why, for the features `arch` cannot honour: `speculative` for every speculative
-    method (`aux_hidden_states` instead, if given, for those in AUX_HIDDEN_STATE_METHODS), `block_movers` for KV
-    offloading and connectors, `lora` for LoRA adapters."""
+    method but those in `speculative_served` (`aux_hidden_states` instead, if given, for those in
+    AUX_HIDDEN_STATE_METHODS), `block_movers` for KV offloading and connectors, `lora` for LoRA adapters."""
     option, why = None, None
     spec = vllm_config.speculative_config
-    if spec is not None:
+    if spec is not None and spec.method not in speculative_served:
         option = f"--speculative-config (speculative decoding, method {spec.method!r})"
         why = aux_hidden_states if aux_hidden_states and spec.method in AUX_HIDDEN_STATE_METHODS else speculative
     elif vllm_config.cache_config.kv_offloading_size is not None:
@@ -224,8 +228,15 @@ class TrinityMLAEngineChecks(VerifyAndUpdateConfig):
         _refuse_features(
             vllm_config,
             "TrinityMLAForCausalLM",
-            speculative="not verified with the latent cache and its key-scale store (a verification step runs "
-            "several draft tokens per request through the latent layers)",
+            speculative=(
+                "under vLLM Neuron's runner the contract adapter's decode step takes one token per request, with no "
+                "verification step for drafts"
+                if neuron_runner_active()
+                else "of vLLM's methods only n-gram (prompt lookup, method 'ngram') is served and verified against "
+                "the latent cache; a draft model runs beside the latent layers with a cache of its own, which has not "
+                "been verified"
+            ),
+            speculative_served=() if neuron_runner_active() else ("ngram",),
             aux_hidden_states="these drafts read the target's intermediate hidden states, and the model returns none "
             "(it inherits vLLM AFMoE's SupportsEagle3 declaration, but its TrinityMLAModel does not collect them)",
             block_movers="each latent layer keeps its key scales in a store beside vLLM's blocks, which a "

@@ -57,3 +57,28 @@ def fp8_residency() -> str:
     if value not in FP8_RESIDENCY_MODES:
         raise ValueError(f"{FP8_RESIDENCY}={value!r}: expected one of {', '.join(FP8_RESIDENCY_MODES)}")
     return value
+
+
+# Under vLLM Neuron's runner (vllm-neuron 0.29 / GA, Trn2/Trn3) the runner, not vLLM, drives the model
+# through its own contract (from_configs / get_kv_spec / bind_kv_cache / load_weights / forward with attn_metadata):
+# the same architecture names then resolve to the contract adapters (vllm_trn_plugin/neuron, docs/trainium.md).
+NEURON_ENTRY = "VLLM_TRN_NEURON_ENTRY"  # auto | neuron | vllm
+
+
+def neuron_runner_active() -> bool:
+    """Whether vLLM Neuron's runner drives the models (through the contract adapters), per VLLM_TRN_NEURON_ENTRY."""
+    mode = os.environ.get(NEURON_ENTRY, "auto")
+    if mode not in ("auto", "neuron", "vllm"):
+        raise ValueError(f"{NEURON_ENTRY}={mode!r}: expected auto, neuron or vllm")
+    if mode != "auto":
+        return mode == "neuron"
+    import importlib.util
+
+    try:  # vLLM Neuron ships its own runner package; the older NxD generation does not
+        if importlib.util.find_spec("vllm_neuron.vllm.worker") is None:
+            return False
+    except Exception:  # not installed, or PyPI's placeholder (which refuses to import)
+        return False
+    from vllm.platforms import current_platform
+
+    return getattr(current_platform, "device_type", "") == "neuron"

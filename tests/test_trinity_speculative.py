@@ -1,0 +1,166 @@
+"""MLA-Trinity under vLLM's n-gram (prompt lookup) speculative decoding, served by real vLLM: greedy output with
+speculation equals the same engine configuration's output without it, step for step (the tie rule and LOGPROB_TOL,
+as batched runs are held to their runs alone), with the model-dtype latent and with the FP8 latent cache.
+
+A verification step feeds each request its token and up to k drafts; the latent layers run them over the cached
+context and write a latent (and key scale) for every draft, and the rejected drafts' slots must be written again
+before anything reads them. The prompts make the drafts land in full, in part and not at all (random models fall
+into loops that prompt lookup predicts, and leave them); the acceptance counters prove each case occurred. The
+reference is the same checkpoint served without speculation.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import (
+    FP8_LATENT_LOGIT_TOL,
+    LOGPROB_TOL,
+    check_batched_against_alone,
+    chosen_steps,
+    greedy_params,
+    random_prompts,
+    raw_logits_llm,
+    token_prompts,
+)
+
+pytestmark = pytest.mark.vllm
+
+VOCAB = 259
+STEPS = 48
+K = 3
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# 300: prefilled in two chunks (max_num_batched_tokens 256); the last two repeat a short motif, which prompt lookup
+# proposes from the first step.
+PROMPTS = random_prompts(6, [9, 40, 130, 300, 65, 17], seed=5) + [p * 6 for p in random_prompts(2, [8, 5], seed=6)]
+ALONE = (0, 3, 7)
+LATENTS = {"model": {}, "fp8": {"latent_cache_dtype": "fp8"}}
+TOL = {"model": LOGPROB_TOL, "fp8": FP8_LATENT_LOGIT_TOL}
+
+
+@pytest.fixture(scope="module")
+def mla(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.references.afmoe import convert_to_mla, make_random_afmoe
+
+    root = tmp_path_factory.mktemp("trinity-spec")
+    return convert_to_mla(make_random_afmoe(root / "orig", seed=0, hidden_size=1024), root / "mla")
+
+
+def _spec_counters(llm: Any) -> tuple[float, float, list[float]]:
+    """vLLM's cumulative speculation counters: drafts proposed, draft tokens, accepted tokens per draft position."""
+    metrics = {m.name: m for m in llm.get_metrics()}
+    per_pos = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    return (
+        metrics["vllm:spec_decode_num_drafts"].value if "vllm:spec_decode_num_drafts" in metrics else 0.0,
+        metrics["vllm:spec_decode_num_draft_tokens"].value if "vllm:spec_decode_num_draft_tokens" in metrics else 0.0,
+        list(per_pos.values) if per_pos is not None else [0.0] * K,
+    )
+
+
+@pytest.fixture(scope="module", params=sorted(LATENTS))
+def engines(request: pytest.FixtureRequest, mla: Path) -> Any:
+    """(latent dtype, reference outputs without speculation (batched; ALONE's also alone), the speculating engine)."""
+    extra = {"additional_config": LATENTS[request.param]} if LATENTS[request.param] else {}
+    ref = raw_logits_llm(mla, VOCAB, max_num_seqs=16, **extra)
+    refs = [chosen_steps(o) for o in ref.generate(token_prompts(PROMPTS), greedy_params(STEPS), use_tqdm=False)]
+    # Alone as well: a batch's other rows move float32 sums by an ulp, which an FP8 code can round across
+    alone = {
+        i: chosen_steps(ref.generate(token_prompts([PROMPTS[i]]), greedy_params(STEPS), use_tqdm=False)[0])
+        for i in ALONE
+    }
+    del ref
+    gc.collect()
+    spec = raw_logits_llm(mla, VOCAB, max_num_seqs=16, speculative_config=NGRAM, disable_log_stats=False, **extra)
+    yield request.param, refs, alone, spec
+    del spec
+    gc.collect()
+
+
+def _check(latent: str, what: str, outs: list[Any], refs: Any, idx: list[int]) -> None:
+    for i, out in zip(idx, outs):
+        toks, vals, _ = chosen_steps(out)
+        assert len(toks) == STEPS, f"{latent} latent, {what}, prompt {i}: {len(toks)} tokens"
+        where = f"{latent} latent, {what}, prompt {i} ({len(PROMPTS[i])} tokens)"
+        check_batched_against_alone(where, toks, vals, refs[i], TOL[latent])
+
+
+def test_ngram_speculation_equals_greedy_without_it(engines: Any) -> None:
+    """Batched, then alone, then the batch again (from the prefix cache, model-dtype latent): the speculating
+    engine's tokens and logits are the reference's; the drafts were accepted in full, in part and not at all."""
+    latent, refs, alone, llm = engines
+    before = _spec_counters(llm)
+    idx = list(range(len(PROMPTS)))
+    _check(
+        latent,
+        "batched",
+        llm.generate(token_prompts(PROMPTS), greedy_params(STEPS), use_tqdm=False),
+        refs,
+        idx,
+    )
+    (d1, t1, p1), (d0, t0, p0) = _spec_counters(llm), before
+    drafts, draft_tokens, per_pos = d1 - d0, t1 - t0, [x - y for x, y in zip(p1, p0)]
+    accepted = sum(per_pos)
+    print(
+        f"\n{latent} latent: {drafts:.0f} drafts, {draft_tokens:.0f} draft tokens, {accepted:.0f} accepted "
+        f"({per_pos} by position)"
+    )
+    assert per_pos[K - 1] > 0, "no draft was accepted in full"
+    assert per_pos[0] < drafts, "every draft's first token was accepted: none rejected outright"
+    assert per_pos[0] > per_pos[K - 1], "no draft was accepted in part"
+    for i in ALONE:
+        out = llm.generate(token_prompts([PROMPTS[i]]), greedy_params(STEPS), use_tqdm=False)
+        _check(latent, "alone", out, {i: alone[i]}, [i])
+
+    def hits() -> float:
+        return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+
+    h0 = hits()
+    _check(
+        latent,
+        "from the prefix cache",
+        llm.generate(token_prompts(PROMPTS), greedy_params(STEPS), use_tqdm=False),
+        refs,
+        idx,
+    )
+    # The FP8 latent engine's common block across cache groups (an FP8 latent row is 1/16 of a float32 sliding
+    # layer's, so vLLM scales that group's block up) is longer than these prompts: its hits, test_fp8_latent.py
+    if latent == "model":
+        assert hits() > h0, "the repeated batch did not hit the prefix cache"
+
+
+def test_aborts_under_speculation_leave_the_others_exact(engines: Any) -> None:
+    """One request aborted mid-prefill, two after a few speculated steps: the rest finish exact, the aborted
+    prompts resent are exact, and no cache block is left held."""
+    latent, refs, alone, llm = engines
+    engine = llm.llm_engine
+    for i, p in enumerate(PROMPTS):  # the 300-token prompt's prefill spans two steps
+        engine.add_request(f"abort-{i}", {"prompt_token_ids": p}, greedy_params(STEPS))
+    mid_prefill, mid_decode = {"abort-3"}, {"abort-1", "abort-6"}
+    finished: dict[str, Any] = {}
+    aborted: set[str] = set()
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            rid = out.request_id
+            if out.finished:
+                finished[rid] = out
+            elif rid in mid_decode and len(out.outputs[0].token_ids) >= 5 and rid not in aborted:
+                engine.abort_request([rid])
+                aborted.add(rid)
+        if steps == 0:
+            engine.abort_request(sorted(mid_prefill))
+            aborted |= mid_prefill
+        steps += 1
+        assert steps < 10_000
+    assert aborted == mid_prefill | mid_decode
+    keep = [i for i in range(len(PROMPTS)) if f"abort-{i}" not in aborted]
+    _check(latent, "beside aborts", [finished[f"abort-{i}"] for i in keep], refs, keep)
+    redo = sorted(int(r.split("-")[1]) for r in aborted)
+    outs = llm.generate(token_prompts([PROMPTS[i] for i in redo]), greedy_params(STEPS), use_tqdm=False)
+    _check(latent, "aborted and resent", outs, refs, redo)
+    usage = [m.value for m in llm.get_metrics() if m.name == "vllm:kv_cache_usage_perc"]
+    assert usage == [0.0], f"cache blocks still held after every request ended: {usage}"
