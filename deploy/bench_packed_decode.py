@@ -32,9 +32,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
+from harness import decode_seconds
 from isa_cap import CAPS, cap_env
 
 
@@ -73,17 +73,6 @@ def write_checkpoints(args: argparse.Namespace, root: Path) -> dict[str, Path]:
         num_experts=args.experts,
     )
     return {"bf16": bf16, "packed": pack(bf16, root / "packed").dst}
-
-
-def decode_s_per_step(outputs: list[Any], tokens: int) -> float:
-    """The median over requests of (last - first token time) / (tokens - 1): one decode step of the batch."""
-    per = []
-    for out in outputs:
-        m = out.metrics
-        if m is None or len(out.outputs[0].token_ids) != tokens:
-            raise SystemExit(f"request {out.request_id}: no metrics or {len(out.outputs[0].token_ids)} tokens")
-        per.append((m.last_token_ts - m.first_token_ts) / (tokens - 1))
-    return statistics.median(per)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
             for rep in range(args.reps):
                 for key in list(engines) if rep % 2 == 0 else list(engines)[::-1]:
                     outs = engines[key].generate(prompts, params, use_tqdm=False)
-                    times[key].append(decode_s_per_step(outs, args.output_len))
+                    times[key].append(statistics.median(decode_seconds(outs, args.output_len)))
             results[batch] = times
 
     print(

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness import decode_seconds
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,16 +51,6 @@ def workload(kind: str, batch: int, seed: int) -> list[dict[str, Any]]:
     if kind == "repetitive":
         return [{"prompt_token_ids": torch.randint(0, 256, (6,), generator=g).tolist() * 12} for _ in range(batch)]
     return [{"prompt_token_ids": torch.randint(0, 256, (72,), generator=g).tolist()} for _ in range(batch)]
-
-
-def decode_s_per_token(outputs: list[Any], tokens: int) -> list[float]:
-    per = []
-    for out in outputs:
-        m = out.metrics
-        if m is None or len(out.outputs[0].token_ids) != tokens:
-            raise SystemExit(f"request {out.request_id}: no metrics or {len(out.outputs[0].token_ids)} tokens")
-        per.append((m.last_token_ts - m.first_token_ts) / (tokens - 1))
-    return per
 
 
 def first_parting(plain: Any, ngram: Any) -> tuple[int, float] | None:
@@ -118,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
                 for rep in range(args.reps):
                     for key in list(engines) if rep % 2 == 0 else list(engines)[::-1]:
                         res = engines[key].generate(prompts, params, use_tqdm=False)
-                        times[key] += decode_s_per_token(res, args.output_len)
+                        times[key] += decode_seconds(res, args.output_len)
                         outs[key] = [r.outputs[0] for r in res]
                 drafts, draft_tokens, accepted = (a - b for a, b in zip(spec_counters(engines["ngram"]), before))
                 parted = [first_parting(a, b) for a, b in zip(outs["plain"], outs["ngram"])]

@@ -182,3 +182,15 @@ def plugin_state(repo: Path) -> str:
         return f"commit {head}" + (f", UNCOMMITTED changes: {dirty}" if dirty else ", clean")
     except (OSError, subprocess.CalledProcessError):
         return "unknown (no git)"
+
+
+def decode_seconds(outputs: list[Any], tokens: int) -> list[float]:
+    """Per request of a vLLM `generate` run with log stats on (RequestOutput.metrics): (last - first token time) /
+    (tokens - 1), its seconds per decode step; exits naming the request if it has no metrics or not `tokens`."""
+    per = []
+    for out in outputs:
+        m = out.metrics
+        if m is None or len(out.outputs[0].token_ids) != tokens:
+            raise SystemExit(f"request {out.request_id}: no metrics or {len(out.outputs[0].token_ids)} tokens")
+        per.append((m.last_token_ts - m.first_token_ts) / (tokens - 1))
+    return per

@@ -7,6 +7,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -242,3 +243,34 @@ def load_in_child(ckpts: list[str], timeout: float = 900) -> dict[str, str]:
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS")]
     assert line, f"loader script failed:\n{proc.stderr[-3000:]}"
     return json.loads(line[0].removeprefix("RESULTS"))
+
+
+def run_with_aborts(
+    engine: Any, prompts: list[list[int]], params: Any, mid_prefill: set[int], mid_decode: set[int], after: int
+) -> dict[int, Any]:
+    """Submit `prompts` to a vLLM LLMEngine and step it until nothing is left, aborting the requests in
+    `mid_prefill` (indices; each must still be prefilling after the first step) after that step and each in
+    `mid_decode` once it has `after` output tokens. Returns the finished outputs by prompt index: every prompt but
+    the aborted ones."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"abort-{i}", {"prompt_token_ids": p}, params)
+    finished: dict[int, Any] = {}
+    aborted: set[int] = set()
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            i = int(out.request_id.split("-")[1])
+            assert i not in mid_prefill or steps > 0, f"prompt {i} ({len(prompts[i])} tokens) prefilled in one step"
+            if out.finished:
+                finished[i] = out
+            elif i in mid_decode and len(out.outputs[0].token_ids) >= after and i not in aborted:
+                engine.abort_request([out.request_id])
+                aborted.add(i)
+        if steps == 0:
+            engine.abort_request([f"abort-{i}" for i in sorted(mid_prefill)])
+            aborted |= mid_prefill
+        steps += 1
+        assert steps < 10_000
+    assert aborted == mid_prefill | mid_decode, aborted
+    assert set(finished) == set(range(len(prompts))) - aborted, sorted(finished)
+    return finished

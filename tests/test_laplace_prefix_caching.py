@@ -28,6 +28,7 @@ from tests.helpers import (
     greedy_params,
     laplace_engine,
     random_prompts,
+    run_with_aborts,
     token_prompts,
 )
 
@@ -152,31 +153,11 @@ def test_aborts_mid_prefill_and_mid_decode_leave_no_page_behind(pc_llm: Any, lap
     tails = random_prompts(8, [800, 40], seed=197)  # 800: a remainder longer than a batch
     prompts = [prefix + t for t in tails]
     refs = off(laplace_llm, prompts)
-    for i, p in enumerate(prompts):  # request 0 first: the first step is its first 256 tokens
-        engine.add_request(f"abort-{i}", {"prompt_token_ids": p}, greedy_params(STEPS))
-    mid_prefill, mid_decode = {"abort-0"}, {"abort-1", "abort-5"}
-    finished: dict[str, Any] = {}
-    aborted: set[str] = set()
-    steps = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            rid = out.request_id
-            assert rid not in mid_prefill or steps > 0, "the 1320-token prompt finished its prefill in one step"
-            if out.finished:
-                finished[rid] = out
-            elif rid in mid_decode and len(out.outputs[0].token_ids) >= 3 and rid not in aborted:
-                engine.abort_request([rid])
-                aborted.add(rid)
-        if steps == 0:
-            engine.abort_request(sorted(mid_prefill))
-            aborted |= mid_prefill
-        steps += 1
-        assert steps < 10_000
-    assert aborted == mid_prefill | mid_decode
-    for i, ref in enumerate(refs):
-        if f"abort-{i}" not in aborted:
-            same_as_off(f"request {i} beside the aborts", finished[f"abort-{i}"], ref)
-    redo = sorted(int(r.split("-")[1]) for r in aborted)
+    # request 0 first: the first step is its first 256 tokens
+    finished = run_with_aborts(engine, prompts, greedy_params(STEPS), {0}, {1, 5}, after=3)
+    for i, out in finished.items():
+        same_as_off(f"request {i} beside the aborts", out, refs[i])
+    redo = sorted(set(range(len(prompts))) - set(finished))
     for i, out in zip(redo, run(pc_llm, [prompts[i] for i in redo])):
         assert out.num_cached_tokens >= 512
         same_as_off(f"aborted request {i} resent", out, refs[i])

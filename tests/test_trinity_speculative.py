@@ -25,6 +25,7 @@ from tests.helpers import (
     greedy_params,
     random_prompts,
     raw_logits_llm,
+    run_with_aborts,
     token_prompts,
 )
 
@@ -136,30 +137,11 @@ def test_aborts_under_speculation_leave_the_others_exact(engines: Any) -> None:
     """One request aborted mid-prefill, two after a few speculated steps: the rest finish exact, the aborted
     prompts resent are exact, and no cache block is left held."""
     latent, refs, alone, llm = engines
-    engine = llm.llm_engine
-    for i, p in enumerate(PROMPTS):  # the 300-token prompt's prefill spans two steps
-        engine.add_request(f"abort-{i}", {"prompt_token_ids": p}, greedy_params(STEPS))
-    mid_prefill, mid_decode = {"abort-3"}, {"abort-1", "abort-6"}
-    finished: dict[str, Any] = {}
-    aborted: set[str] = set()
-    steps = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            rid = out.request_id
-            if out.finished:
-                finished[rid] = out
-            elif rid in mid_decode and len(out.outputs[0].token_ids) >= 5 and rid not in aborted:
-                engine.abort_request([rid])
-                aborted.add(rid)
-        if steps == 0:
-            engine.abort_request(sorted(mid_prefill))
-            aborted |= mid_prefill
-        steps += 1
-        assert steps < 10_000
-    assert aborted == mid_prefill | mid_decode
-    keep = [i for i in range(len(PROMPTS)) if f"abort-{i}" not in aborted]
-    _check(latent, "beside aborts", [finished[f"abort-{i}"] for i in keep], refs, keep)
-    redo = sorted(int(r.split("-")[1]) for r in aborted)
+    # the 300-token prompt's prefill spans two steps
+    finished = run_with_aborts(llm.llm_engine, PROMPTS, greedy_params(STEPS), {3}, {1, 6}, after=5)
+    keep = sorted(finished)
+    _check(latent, "beside aborts", [finished[i] for i in keep], refs, keep)
+    redo = sorted(set(range(len(PROMPTS))) - set(finished))
     outs = llm.generate(token_prompts([PROMPTS[i] for i in redo]), greedy_params(STEPS), use_tqdm=False)
     _check(latent, "aborted and resent", outs, refs, redo)
     usage = [m.value for m in llm.get_metrics() if m.name == "vllm:kv_cache_usage_perc"]
