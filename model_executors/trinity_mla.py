@@ -28,6 +28,7 @@ from vllm.model_executor.models.afmoe import (
     AfmoeMLP,
     AfmoeMoE,
 )
+from vllm.model_executor.models.interfaces import EagleModelMixin
 from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_index, make_layers, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
@@ -91,7 +92,7 @@ class TrinityMLADecoderLayer(AfmoeDecoderLayer):
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0})
-class TrinityMLAModel(nn.Module):
+class TrinityMLAModel(nn.Module, EagleModelMixin):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
@@ -122,14 +123,18 @@ class TrinityMLAModel(nn.Module):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
         if self.config.mup_enabled:
             x = x * (self.config.hidden_size**0.5)
         residual = None
-        for layer in self.layers:
+        # EAGLE3 drafts read the residual stream after the layers vLLM names (set_aux_hidden_state_layers)
+        aux = self._maybe_add_hidden_state([], 0, x, residual)
+        for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual)
-        return self.norm(x, residual)[0]
+            self._maybe_add_hidden_state(aux, i + 1, x, residual)
+        x = self.norm(x, residual)[0]
+        return (x, aux) if aux else x
 
 
 class TrinityMLAForCausalLM(AfmoeForCausalLM):
@@ -162,7 +167,7 @@ class TrinityMLAForCausalLM(AfmoeForCausalLM):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
         **kwargs: object,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from vllm.config.speculative import MTPModelTypes, SpeculativeMethod
 
-from vllm_trn_plugin.engine_checks import AUX_HIDDEN_STATE_METHODS, STATEFUL_OPS
+from vllm_trn_plugin.engine_checks import STATEFUL_OPS
 from vllm_trn_plugin.models import MODELS
 
 
@@ -147,12 +147,12 @@ def test_every_speculative_method_refused_at_start(
     model: str, method: str, laplace_ckpt: Path, trinity_ckpt: Path, tmp_path: Path
 ) -> None:
     """EAGLE, EAGLE3 and every other method: refused when the config is built, naming the option, the method and why
-    (or, for those in _VLLM_REFUSES, by vLLM before the plugin's check); MLA-Trinity serves n-gram
-    (test_trinity_speculative.py checks its output)."""
+    (or, for those in _VLLM_REFUSES, by vLLM before the plugin's check); MLA-Trinity serves n-gram and EAGLE3
+    (test_trinity_speculative.py checks their output)."""
     target = laplace_ckpt if model == "laplace" else trinity_ckpt
     spec = _speculative_config(method, target, tmp_path)
-    if (model, method) == ("trinity", "ngram"):
-        assert _config(target, speculative_config=spec).speculative_config.method == "ngram"
+    if model == "trinity" and method in ("ngram", "eagle3"):
+        assert _config(target, speculative_config=spec).speculative_config.method == method
         return
     if method in _VLLM_REFUSES:
         error, message = _VLLM_REFUSES[method]
@@ -161,8 +161,6 @@ def test_every_speculative_method_refused_at_start(
         return
     if model == "laplace":
         why = "the recurrent state advances with every draft token"
-    elif method in AUX_HIDDEN_STATE_METHODS:
-        why = "these drafts read the target's intermediate hidden states, and the model returns none"
     else:
         why = "of vLLM's methods only n-gram"
     option = rf"--speculative-config \(speculative decoding, method '{method}'\)"

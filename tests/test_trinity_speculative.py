@@ -1,6 +1,6 @@
-"""MLA-Trinity under vLLM's n-gram (prompt lookup) speculative decoding, served by real vLLM: greedy output with
-speculation equals the same engine configuration's output without it, step for step (the tie rule and LOGPROB_TOL,
-as batched runs are held to their runs alone), with the model-dtype latent and with the FP8 latent cache.
+"""MLA-Trinity under vLLM's n-gram (prompt lookup) and EAGLE3 speculative decoding, served by real vLLM: greedy
+output with speculation equals the same engine configuration's output without it, step for step (the tie rule and
+LOGPROB_TOL, as batched runs are held to their runs alone), with the model-dtype latent and with the FP8 latent cache.
 
 A verification step feeds each request its token and up to k drafts; the latent layers run them over the cached
 context and write a latent (and key scale) for every draft, and the rejected drafts' slots must be written again
@@ -12,10 +12,12 @@ reference is the same checkpoint served without speculation.
 from __future__ import annotations
 
 import gc
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.helpers import (
     FP8_LATENT_LOGIT_TOL,
@@ -146,3 +148,102 @@ def test_aborts_under_speculation_leave_the_others_exact(engines: Any) -> None:
     _check(latent, "aborted and resent", outs, refs, redo)
     usage = [m.value for m in llm.get_metrics() if m.name == "vllm:kv_cache_usage_perc"]
     assert usage == [0.0], f"cache blocks still held after every request ended: {usage}"
+
+
+def write_echo_eagle3(out: Path, target: Path, seed: int = 0) -> Path:
+    """An EAGLE3 draft (vLLM's LlamaForCausalLMEagle3 checkpoint) that reads the target's residual stream after its
+    last layer and proposes the target's own greedy token from it: `fc` selects that aux state, the layer's
+    attention and MLP outputs are zero (the stream passes through), and its norm and LM head are the target's. Its
+    other weights are random. So every draft repeats the token just sampled, and with exact aux states the drafts
+    accepted are exactly the target's repeats (echo_acceptance); aux states from another place accept ~nothing."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    t = json.loads((target / "config.json").read_text())
+    h, vocab, inter, heads, hd = t["hidden_size"], t["vocab_size"], 512, 8, 128
+    own = {}
+    for f in target.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as sf:
+            own |= {k: sf.get_tensor(k).float() for k in sf.keys() if k in ("lm_head.weight", "model.norm.weight")}
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+    fc = torch.zeros(h, 3 * h)
+    fc[:, 2 * h :] = torch.eye(h)  # the third aux state: after the last layer
+    weights = {
+        "midlayer.input_layernorm.weight": torch.ones(h),
+        "midlayer.hidden_norm.weight": torch.ones(h),
+        "midlayer.post_attention_layernorm.weight": torch.ones(h),
+        "midlayer.self_attn.q_proj.weight": rand(heads * hd, 2 * h),
+        "midlayer.self_attn.k_proj.weight": rand(heads * hd, 2 * h),
+        "midlayer.self_attn.v_proj.weight": rand(heads * hd, 2 * h),
+        "midlayer.self_attn.o_proj.weight": torch.zeros(h, heads * hd),
+        "midlayer.mlp.gate_proj.weight": rand(inter, h),
+        "midlayer.mlp.up_proj.weight": rand(inter, h),
+        "midlayer.mlp.down_proj.weight": torch.zeros(h, inter),
+        "fc.weight": fc,
+        "norm.weight": own["model.norm.weight"],
+        "lm_head.weight": own["lm_head.weight"],
+    }
+    config = dict(
+        architectures=["LlamaForCausalLMEagle3"],
+        model_type="llama",
+        hidden_size=h,
+        intermediate_size=inter,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hd,
+        vocab_size=vocab,
+        draft_vocab_size=vocab,
+        max_position_embeddings=t["max_position_embeddings"],
+        rms_norm_eps=t["rms_norm_eps"],
+        rope_theta=10000.0,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        dtype="float32",
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, t["num_hidden_layers"]]},
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def echo_acceptance(tokens: list[int]) -> list[int]:
+    """Accepted drafts by position when every draft is K copies of the last token: at each step the leading run of
+    the following tokens equal to it, then the bonus token."""
+    per_pos, p = [0] * K, 0
+    while p < len(tokens) - 1:
+        j = 0
+        while j < K and p + 1 + j < len(tokens) and tokens[p + 1 + j] == tokens[p]:
+            per_pos[j] += 1
+            j += 1
+        p += j + 1
+    return per_pos
+
+
+def test_eagle3_equals_greedy_without_it_and_reads_the_right_hidden_states(
+    engines: Any, mla: Path, tmp_path: Path
+) -> None:
+    """EAGLE3 with the echo draft: the tokens and logits are the reference's, and the drafts accepted by position
+    are exactly those the reference's own repeats predict, which holds only if the model hands the draft the residual
+    stream after its last layer."""
+    latent, refs, _, _ = engines
+    draft = write_echo_eagle3(tmp_path / "eagle3", mla)
+    extra = {"additional_config": LATENTS[latent]} if LATENTS[latent] else {}
+    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": K}
+    llm = raw_logits_llm(mla, VOCAB, max_num_seqs=16, speculative_config=spec, disable_log_stats=False, **extra)
+    try:
+        outs = llm.generate(token_prompts(PROMPTS), greedy_params(STEPS), use_tqdm=False)
+        _check(latent, "EAGLE3, batched", outs, refs, list(range(len(PROMPTS))))
+        _, _, per_pos = _spec_counters(llm)
+    finally:
+        del llm
+        gc.collect()
+    want = [sum(c) for c in zip(*(echo_acceptance(r[0]) for r in refs))]
+    print(f"\n{latent} latent, EAGLE3 echo draft: accepted by position {per_pos}, the reference's repeats {want}")
+    assert want[K - 1] > 0, "the reference never repeats a token K + 1 times: the check below would be empty"
+    assert per_pos == want

@@ -6,10 +6,10 @@ hooks, `MODELS_CONFIG_MAP`), before any engine or worker process starts.
   attention caches) would leave it past the accepted tokens. MLA-Trinity keeps a key-scale store beside vLLM's latent
   blocks (model_executors/latent_attention.py), so anything that moves or copies blocks outside the model's forward
   (KV connectors, KV offloading, disaggregated prefill) would move latents without their scales. Of the speculative
-  methods it serves n-gram (prompt lookup): a verification step's k + 1 tokens per request run the latent layers'
-  prefill path over the cached context, and a rejected draft's latent and key scale sit in slots the next step
-  writes again; the draft-model methods are refused (unverified), and those that read the target's intermediate
-  hidden states (EAGLE3 and its kin) would get none from its model. LoRA (--enable-lora): Laplace does not implement
+  methods it serves n-gram (prompt lookup) and EAGLE3 (its model returns the residual stream after the layers the
+  draft names): a verification step's k + 1 tokens per request run the latent layers' prefill path over the cached
+  context, and a rejected draft's latent and key scale sit in slots the next step writes again; the other methods
+  are refused (unverified). LoRA (--enable-lora): Laplace does not implement
   vLLM's LoRA interface; MLA-Trinity inherits it from vLLM's AFMoE, but its latent layers read kv_b_proj as a plain
   matrix inside the attention math, where vLLM's LoRA layers never apply, and on vLLM's CPU build LoRA moves the
   routed experts to a Triton kernel that build cannot run.
@@ -91,10 +91,6 @@ def bind_cpu_workers(vllm_config: VllmConfig) -> None:
     logger.info("%s=%r: %d CPU workers, %d cores each (fewer NUMA nodes than workers)", THREADS_BIND, mask, workers, n)
 
 
-# Speculative methods whose drafts read the target model's intermediate hidden states (vLLM's "aux hidden states").
-AUX_HIDDEN_STATE_METHODS = ("eagle3", "extract_hidden_states", "dflash", "dspark")
-
-
 def _refuse_features(
     vllm_config: VllmConfig,
     arch: str,
@@ -102,17 +98,16 @@ def _refuse_features(
     speculative: str,
     block_movers: str,
     lora: str,
-    aux_hidden_states: str | None = None,
     speculative_served: tuple[str, ...] = (),
 ) -> None:
     """Raise, naming the option and why, for the features `arch` cannot honour: `speculative` for every speculative
-    method but those in `speculative_served` (`aux_hidden_states` instead, if given, for those in
-    AUX_HIDDEN_STATE_METHODS), `block_movers` for KV offloading and connectors, `lora` for LoRA adapters."""
+    method but those in `speculative_served`, `block_movers` for KV offloading and connectors, `lora` for LoRA
+    adapters."""
     option, why = None, None
     spec = vllm_config.speculative_config
     if spec is not None and spec.method not in speculative_served:
         option = f"--speculative-config (speculative decoding, method {spec.method!r})"
-        why = aux_hidden_states if aux_hidden_states and spec.method in AUX_HIDDEN_STATE_METHODS else speculative
+        why = speculative
     elif vllm_config.cache_config.kv_offloading_size is not None:
         option, why = "--kv-offloading-size (KV offloading)", block_movers
     elif vllm_config.kv_transfer_config is not None:  # offloading sets one too, later
@@ -232,13 +227,10 @@ class TrinityMLAEngineChecks(VerifyAndUpdateConfig):
                 "under vLLM Neuron's runner the contract adapter's decode step takes one token per request, with no "
                 "verification step for drafts"
                 if neuron_runner_active()
-                else "of vLLM's methods only n-gram (prompt lookup, method 'ngram') is served and verified against "
-                "the latent cache; a draft model runs beside the latent layers with a cache of its own, which has not "
-                "been verified"
+                else "of vLLM's methods only n-gram (prompt lookup) and EAGLE3 are served, each verified against the "
+                "latent cache; the others (a separate draft model, EAGLE, Medusa, DFlash, ...) have not been"
             ),
-            speculative_served=() if neuron_runner_active() else ("ngram",),
-            aux_hidden_states="these drafts read the target's intermediate hidden states, and the model returns none "
-            "(it inherits vLLM AFMoE's SupportsEagle3 declaration, but its TrinityMLAModel does not collect them)",
+            speculative_served=() if neuron_runner_active() else ("ngram", "eagle3"),
             block_movers="each latent layer keeps its key scales in a store beside vLLM's blocks, which a "
             "connector would not move with them",
             lora="the latent layers read kv_b_proj as a plain matrix inside the attention math (folded into the "
