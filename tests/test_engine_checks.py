@@ -168,11 +168,13 @@ def test_every_speculative_method_refused_at_start(
         _config(target, speculative_config=spec)
 
 
-def test_ngram_refused_under_the_neuron_runner(trinity_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM Neuron's runner drives the contract adapter, whose decode step has no verification path: n-gram, served
-    on vLLM's own runner, is refused there."""
-    monkeypatch.setenv("VLLM_TRN_NEURON_ENTRY", "neuron")
+def test_ngram_refused_where_unverified(trinity_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """n-gram, served on vLLM's own runner at one rank, is refused under vLLM Neuron's runner (the contract adapter's
+    decode step has no verification path) and at tensor parallelism (not verified there)."""
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    with pytest.raises(ValueError, match="method 'ngram'.*verified at --tensor-parallel-size 1 only"):
+        _config(trinity_ckpt, speculative_config=spec, tensor_parallel_size=2)
+    monkeypatch.setenv("VLLM_TRN_NEURON_ENTRY", "neuron")
     with pytest.raises(ValueError, match="method 'ngram'.*under vLLM Neuron's runner"):
         _config(trinity_ckpt, speculative_config=spec)
 

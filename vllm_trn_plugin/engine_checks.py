@@ -213,6 +213,19 @@ def _laplace_checkpoint_interval(vllm_config: VllmConfig) -> None:
     logger.info("Laplace prefix caching: a state checkpoint every %d tokens", cache.mamba_block_size)
 
 
+def _trinity_speculation(vllm_config: VllmConfig) -> tuple[str, tuple[str, ...]]:
+    """MLA-Trinity's speculative methods served in this configuration, and why the others are refused."""
+    if neuron_runner_active():
+        return "under vLLM Neuron's runner the contract adapter's decode step takes one token per request", ()
+    if vllm_config.parallel_config.tensor_parallel_size > 1:
+        return "speculation has been verified at --tensor-parallel-size 1 only", ()
+    return (
+        "of vLLM's methods only n-gram (prompt lookup) and EAGLE3 are served, each verified against the latent "
+        "cache; the others (a separate draft model, EAGLE, Medusa, DFlash, ...) have not been",
+        ("ngram", "eagle3"),
+    )
+
+
 class TrinityMLAEngineChecks(VerifyAndUpdateConfig):
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
@@ -220,17 +233,12 @@ class TrinityMLAEngineChecks(VerifyAndUpdateConfig):
 
         _refuse_layout(vllm_config, "TrinityMLAForCausalLM")
         latent_cache_dtype(vllm_config)  # an unknown --additional-config latent_cache_dtype fails here, not in a worker
+        spec_why, spec_served = _trinity_speculation(vllm_config)
         _refuse_features(
             vllm_config,
             "TrinityMLAForCausalLM",
-            speculative=(
-                "under vLLM Neuron's runner the contract adapter's decode step takes one token per request, with no "
-                "verification step for drafts"
-                if neuron_runner_active()
-                else "of vLLM's methods only n-gram (prompt lookup) and EAGLE3 are served, each verified against the "
-                "latent cache; the others (a separate draft model, EAGLE, Medusa, DFlash, ...) have not been"
-            ),
-            speculative_served=() if neuron_runner_active() else ("ngram", "eagle3"),
+            speculative=spec_why,
+            speculative_served=spec_served,
             block_movers="each latent layer keeps its key scales in a store beside vLLM's blocks, which a "
             "connector would not move with them",
             lora="the latent layers read kv_b_proj as a plain matrix inside the attention math (folded into the "
