@@ -8,11 +8,11 @@ hooks, `MODELS_CONFIG_MAP`), before any engine or worker process starts.
   (KV connectors, KV offloading, disaggregated prefill) would move latents without their scales. Of the speculative
   methods it serves n-gram (prompt lookup) and EAGLE3 (its model returns the residual stream after the layers the
   draft names): a verification step's k + 1 tokens per request run the latent layers' prefill path over the cached
-  context, and a rejected draft's latent and key scale sit in slots the next step writes again; the other methods
-  are refused (unverified). LoRA (--enable-lora): Laplace does not implement
-  vLLM's LoRA interface; MLA-Trinity inherits it from vLLM's AFMoE, but its latent layers read kv_b_proj as a plain
-  matrix inside the attention math, where vLLM's LoRA layers never apply, and on vLLM's CPU build LoRA moves the
-  routed experts to a Triton kernel that build cannot run.
+  context, and a rejected draft's latent and key scale sit in slots the next step writes again; the other methods,
+  and every method at tensor parallelism or under vLLM Neuron's runner, are refused (unverified). LoRA
+  (--enable-lora): Laplace does not implement vLLM's LoRA interface; MLA-Trinity inherits it from vLLM's AFMoE, but
+  its latent layers read kv_b_proj as a plain matrix inside the attention math, where vLLM's LoRA layers never
+  apply, and on vLLM's CPU build LoRA moves the routed experts to a Triton kernel that build cannot run.
 - Refused, each with its reason: parallel layouts a model does not have. Laplace is served one replica per core
   (3.0B parameters and its states fit one 24 GiB core; more cores serve more replicas, behind the router or with
   --data-parallel-size), so it has no tensor-parallel layout. MLA-Trinity's routed experts under
