@@ -1,14 +1,18 @@
-"""MLA-Trinity with and without n-gram speculative decoding, side by side: tokens per verification step and decode
-time per output token, on a repetitive workload and an unrepetitive one.
+"""MLA-Trinity or Laplace with and without n-gram speculative decoding, side by side: tokens per verification step
+and decode time per output token, on a repetitive workload and an unrepetitive one.
 
 Run (from the repository root)::
 
-    .venv/bin/python deploy/bench_speculative.py                 # the demo geometry, batch 1 and 8, k = 3
-    .venv/bin/python deploy/bench_speculative.py --model DIR     # any MLA-Trinity checkpoint
+    .venv/bin/python deploy/bench_speculative.py                  # MLA-Trinity's demo geometry, batch 1 and 8, k = 3
+    .venv/bin/python deploy/bench_speculative.py --arch laplace   # Laplace (LAPLACE_BENCH geometry)
+    .venv/bin/python deploy/bench_speculative.py --model DIR      # any checkpoint of either
 
 What it does:
-1. A random MLA-Trinity checkpoint (`vllm_trn_plugin.demo.write_trinity_demo`, bf16) unless --model is given.
-2. Two engines alive for the whole run (vLLM's CPU build, bf16, eager, prefix caching off): one plain, one with
+1. A random checkpoint (`vllm_trn_plugin.demo`, --dtype, bf16 by default) unless --model is given: MLA-Trinity's
+   demo, or a Laplace of LAPLACE_BENCH's geometry (the demo's widened, so that the state a step reads weighs beside
+   the weights about as at 3B: 2.3 MB per sequence beside 206 MB of bf16 weights, 1.1%; at 3B 28.75 MB beside 6 GB,
+   0.5%).
+2. Two engines alive for the whole run (vLLM's CPU build, --dtype, eager, prefix caching off): one plain, one with
    `--speculative-config {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3}`.
 3. Two workloads of `batch` prompts: "repetitive" (a short random motif repeated, so prompt lookup finds matches
    wherever the output echoes the prompt) and "unrepetitive" (random tokens). For each, `--reps` rounds in ABBA
@@ -17,8 +21,10 @@ What it does:
    median over requests and rounds), the ratio, and the speculating engine's mean tokens per verification step
    (1 + accepted / drafts, from vLLM's counters) and acceptance rate (accepted / draft tokens). Greedy outputs of
    the two engines are compared token for token: the count of equal requests, and for each other one the step
-   where it parts and the plain engine's top-2 margin there (bf16 logits: a near-tie flips with summation order;
-   the float32 exactness tests are tests/test_trinity_speculative.py).
+   where it parts and the plain engine's top-2 margin there (bf16: a margin of a few bf16 steps flips with the
+   summation order, which a verification step's wider matrix products and token-by-token recurrence change; the
+   same engine batched and alone parts as often: `--dtype float32` shows the outputs themselves, and the exactness
+   tests are tests/test_trinity_speculative.py and tests/test_laplace_speculative.py).
 Random weights echo their prompt only by chance, so the acceptance here is a floor, not what a trained model gets
 (a trained model's repetitive text is what prompt lookup is for).
 """
@@ -26,6 +32,7 @@ Random weights echo their prompt only by chance, so the acceptance here is a flo
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -35,11 +42,18 @@ from typing import Any
 import torch
 from harness import decode_seconds
 
+# Laplace for this benchmark: 8 layers of hidden 1024, 8 heads of 64 x 128 (the demo: 4 layers of 256)
+LAPLACE_BENCH = dict(
+    hidden_size=1024, num_hidden_layers=8, num_heads=8, head_k_dim=64, head_v_dim=128, intermediate_size=2816
+)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, help="an MLA-Trinity checkpoint (default: a random demo one)")
+    p.add_argument("--arch", choices=("trinity", "laplace"), default="trinity", help="the model to generate")
+    p.add_argument("--model", type=Path, help="a checkpoint of either model (default: a random one of --arch)")
     p.add_argument("--k", type=int, default=3, help="draft tokens per step (num_speculative_tokens)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the engines' dtype")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--reps", type=int, default=2, help="rounds per engine, workload and batch (ABBA order)")
@@ -75,13 +89,18 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-speculative-") as tmp:
         model = args.model
-        if model is None:
+        if model is None and args.arch == "trinity":
             from vllm_trn_plugin.demo import write_trinity_demo
 
-            model = write_trinity_demo(Path(tmp) / "trinity", seed=0, dtype=torch.bfloat16)
+            model = write_trinity_demo(Path(tmp) / "trinity", seed=0, dtype=getattr(torch, args.dtype))
+        elif model is None:
+            from vllm_trn_plugin.demo import write_laplace_demo
+
+            model = write_laplace_demo(Path(tmp) / "laplace", seed=0, dtype=getattr(torch, args.dtype), **LAPLACE_BENCH)
+        arch = json.loads((Path(model) / "config.json").read_text())["architectures"][0]
         common = dict(
             model=str(model),
-            dtype="bfloat16",
+            dtype=args.dtype,
             max_model_len=512,
             max_num_seqs=max(args.batches),
             enforce_eager=True,
@@ -116,8 +135,8 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append((kind, batch, times, drafts, draft_tokens, accepted, parted))
 
     print(
-        f"\n== MLA-Trinity decode with and without n-gram speculation (k = {args.k}; {args.output_len} tokens per "
-        f"request, median over requests and {args.reps} rounds, ABBA; eager, bf16) =="
+        f"\n== {arch} decode with and without n-gram speculation (k = {args.k}; {args.output_len} tokens per "
+        f"request, median over requests and {args.reps} rounds, ABBA; eager, {args.dtype}) =="
     )
     print(
         f"{'workload':>13} {'batch':>5} {'plain ms/tok':>13} {'ngram ms/tok':>13} {'ngram/plain':>12} "

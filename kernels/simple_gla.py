@@ -231,6 +231,52 @@ def simple_gla_decode_step(
     return o.to(q.dtype)
 
 
+def simple_gla_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    aug: torch.Tensor,
+    log_decay: torch.Tensor,
+    scale: float,
+    state: torch.Tensor,
+    lengths: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to P tokens per sequence from its state, one token at a time (the decode step's recurrence, op for op): a
+    speculative verification step, whose tokens after the first vLLM accepts or rejects afterwards.
+
+    q, k: [B, P, H, dk]; v: [B, P, H, dv]; state: [B, H, dk, dv] fp32 (not modified); lengths: [B] int, the real
+    tokens of each row (1..P). Returns (o [B, P, H, dv] in q's dtype, zero past a row's length; the state after each
+    row's first token [B, H, dk, dv] fp32)."""
+    B, P, H, _ = q.shape
+    lam = torch.exp(log_decay.to(q.device, torch.float32))[None, :, None, None]
+    steps = int(lengths.max()) if B else 0
+    o = q.new_zeros(B, P, H, v.shape[-1], dtype=torch.float32)
+    S = first = state
+    if B and int(lengths.min()) < 1:
+        raise ValueError(f"simple_gla_verify: every row needs a token, lengths {lengths.tolist()}")
+    for i in range(steps):
+        qf, kf, vf = q[:, i].float(), k[:, i].float(), v[:, i].float()
+        S = lam * S + kf[..., :, None] * vf[..., None, :]  # a row past its length: its outputs are dropped
+        o[:, i] = scale * torch.einsum("bhd,bhde->bhe", qf, S) + _self_augmentation(qf, kf, vf, aug.float())
+        if i == 0:
+            first = S
+    o = torch.where((torch.arange(P, device=q.device) < lengths[:, None])[..., None, None], o, 0.0)
+    return o.to(q.dtype), first
+
+
+def simple_gla_advance(
+    k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, state: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """The state after each row's first counts[b] tokens, one token at a time as the decode step advances it:
+    S <- lambda * S + k v^T. k: [B, P, H, dk]; v: [B, P, H, dv]; state: [B, H, dk, dv] fp32 (not modified)."""
+    lam = torch.exp(log_decay.to(k.device, torch.float32))[None, :, None, None]
+    S = state
+    for i in range(int(counts.max()) if counts.numel() else 0):
+        kf, vf = k[:, i].float(), v[:, i].float()
+        S = torch.where((i < counts)[:, None, None, None], lam * S + kf[..., :, None] * vf[..., None, :], S)
+    return S
+
+
 # --- one padded sequence, static shapes ---
 # A compiled graph (one per input bucket) sees a sequence padded to the bucket's length T with its real length as a
 # 0-d tensor: these forms mask on device what depends on it and read nothing back to the host.

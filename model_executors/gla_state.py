@@ -19,6 +19,10 @@ start from zero state (no computed tokens: no history, and no copy into the page
 Rows are ordered decodes first (query length 1, `reorder_batch_threshold = 1`). A brand-new
 one-token prompt also lands among the "decodes"; `decode_fresh` marks it so the step starts
 from zero instead of the page's previous owner's state.
+
+Under speculative decoding the mixer reads every row alike (`LaplaceMixer.mix_speculative`): where a
+row's drafts are is not in the metadata (vLLM can send a new one-token prompt with drafts, among the
+prefills), only that they are among its last k tokens.
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ class GLAStateMetadata:
     prefill_cu_seqlens: torch.Tensor  # [num_prefills + 1] host int64, token offsets after the decode rows
     prefill_slots: torch.Tensor  # [num_prefills]
     prefill_has_state: torch.Tensor  # [num_prefills] bool: continues a chunked prefill
-    # Every tensor but prefill_cu_seqlens (read on the host to split the packed tokens) is on the model's device.
+    context_lens: torch.Tensor  # [num_decodes + num_prefills] tokens before this step's (vLLM's computed tokens)
+    query_cu_seqlens: torch.Tensor  # [num_decodes + num_prefills + 1] host int64: every row's token offsets
+    # Every tensor but the cu_seqlens (read on the host to split the packed tokens) is on the model's device.
 
 
 class GLAStateMetadataBuilder(AttentionMetadataBuilder[GLAStateMetadata]):
@@ -80,6 +86,8 @@ class GLAStateMetadataBuilder(AttentionMetadataBuilder[GLAStateMetadata]):
             prefill_cu_seqlens=qsl[num_decodes:] - num_decode_tokens,
             prefill_slots=slots[num_decodes:],
             prefill_has_state=context_lens[num_decodes:] > 0,
+            context_lens=context_lens,
+            query_cu_seqlens=qsl,
         )
 
 

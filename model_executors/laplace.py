@@ -15,6 +15,7 @@ vLLM's state pool (see gla_state.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,8 +36,9 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from vllm.sequence import IntermediateTensors
 from vllm.utils.torch_utils import direct_register_custom_op
-from vllm.v1.attention.backend import AttentionBackend
+from vllm.v1.attention.backend import AttentionBackend, max_decode_query_len
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from vllm_trn_plugin.configs.laplace import LaplaceConfig
 from vllm_trn_plugin.kernels import dispatch
@@ -47,25 +49,35 @@ from vllm_trn_plugin.kernels.causal_conv1d import (
 )
 from vllm_trn_plugin.kernels.simple_gla import (
     geometric_log_decay,
+    simple_gla_advance,
     simple_gla_chunked_prefill,
     simple_gla_prefill_padded,
+    simple_gla_verify,
 )
 from vllm_trn_plugin.model_executors.gla_state import GLAStateBackend, GLAStateMetadata
 from vllm_trn_plugin.model_executors.mxfp4_fp8 import check_all_loaded, packed_weights
 from vllm_trn_plugin.model_executors.mxfp4_fp8_config import TrnMxfp4Fp8Config
 
 
-def laplace_state_shapes(config: LaplaceConfig) -> tuple[tuple[int, ...], ...]:
-    """Per-layer state page: the GLA state [H, d_k, d_v] and the conv window [conv_size-1, D]."""
-    return (
-        (config.num_heads, config.head_k_dim, config.head_v_dim),
-        (config.conv_size - 1, config.hidden_size),
-    )
+def pending_tokens(vllm_config: VllmConfig) -> int:
+    """Tokens whose recurrence inputs a state page keeps for a later step: the most drafts a verification row
+    carries under speculative decoding (k), else none."""
+    return max_decode_query_len(vllm_config) - 1 if vllm_config.speculative_config is not None else 0
 
 
-def laplace_state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    # The GLA state accumulates over the whole history: fp32. The conv window holds activations.
-    return (torch.float32, model_dtype)
+def laplace_state_shapes(config: LaplaceConfig, pending: int = 0) -> tuple[tuple[int, ...], ...]:
+    """Per-layer state page: the GLA state [H, d_k, d_v] and the conv window [conv_size-1, D]; with `pending`
+    tokens (speculative decoding) also their keys [P, H, d_k], values [P, H, d_v] and conv inputs [P, D], and
+    (tokens the state covers, tokens pending) as int32 [2]."""
+    H, dk, dv, D = config.num_heads, config.head_k_dim, config.head_v_dim, config.hidden_size
+    shapes = ((H, dk, dv), (config.conv_size - 1, D))
+    return shapes + (((pending, H, dk), (pending, H, dv), (pending, D), (2,)) if pending else ())
+
+
+def laplace_state_dtypes(model_dtype: torch.dtype, pending: int = 0) -> tuple[torch.dtype, ...]:
+    # The GLA state accumulates over the whole history: fp32. The conv window holds activations, as do the pending
+    # keys, values and conv inputs (the recurrence reads them in the model dtype either way).
+    return (torch.float32, model_dtype) + ((model_dtype,) * 3 + (torch.int32,) if pending else ())
 
 
 class LaplaceMixer(MambaBase, nn.Module):
@@ -97,6 +109,7 @@ class LaplaceMixer(MambaBase, nn.Module):
 
         vllm_config = get_current_vllm_config()
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        self.pending = pending_tokens(vllm_config)
         static_ctx = vllm_config.compilation_config.static_forward_context
         if prefix in static_ctx:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -104,10 +117,15 @@ class LaplaceMixer(MambaBase, nn.Module):
 
     # --- state pool interface (MambaBase) ---
     def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
-        return laplace_state_shapes(self.config)
+        return laplace_state_shapes(self.config, self.pending)
 
     def get_state_dtype(self) -> tuple[torch.dtype, ...]:
-        return laplace_state_dtypes(self.model_dtype)
+        return laplace_state_dtypes(self.model_dtype, self.pending)
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec | None:
+        # One page per sequence under speculative decoding too: the page keeps the drafts' recurrence inputs
+        # (mix_speculative), so vLLM's page per draft position is not needed.
+        return dataclasses.replace(super().get_kv_cache_spec(vllm_config), num_speculative_blocks=0)
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
@@ -135,9 +153,12 @@ class LaplaceMixer(MambaBase, nn.Module):
             self.profile_prefill(h, output)
             return
         assert isinstance(meta, GLAStateMetadata)
+        if self.pending:
+            self.mix_speculative(h, output, meta)
+            return
         T, nd = meta.num_actual_tokens, meta.num_decode_tokens
         if meta.num_decodes:
-            gla_pool, conv_pool = self.kv_cache
+            gla_pool, conv_pool = self.kv_cache[:2]
             slots = meta.decode_slots
             fresh = slots[meta.decode_fresh & (slots >= 0)]
             gla_pool[fresh] = 0
@@ -148,6 +169,106 @@ class LaplaceMixer(MambaBase, nn.Module):
             o = self.prefill(h[nd:T], meta.prefill_cu_seqlens, meta.prefill_slots, meta.prefill_has_state)
             output[nd:T] = o.to(output.dtype)
         output[T:] = 0
+
+    def mix_speculative(self, h: torch.Tensor, output: torch.Tensor, meta: GLAStateMetadata) -> None:
+        """`mix` under speculative decoding (k drafts at most). Any of a row's last k tokens may be a draft: a
+        verification row is the token sampled last and up to k drafts, and vLLM also sends a new one-token prompt
+        with drafts, among the prefills. A row's last 1 + k tokens (its tail) are computed from the state one at a
+        time, as the decode step computes; the state after the tail's first token (never a draft) is written, and
+        the other tail tokens' keys, values and conv inputs are kept in the page. The next step, whose context says
+        how many of those vLLM accepted, moves the state over exactly them (catch_up) before anything reads it. A
+        row's tokens before its tail (a prompt chunk's) go into the state at once. A rejected draft is never in a
+        state, a page holds one state and k tokens' inputs, and a row without drafts costs what a decode step
+        costs."""
+        gla_pool, conv_pool, pend_k, pend_v, pend_h, mark = self.kv_cache
+        T, k_max = meta.num_actual_tokens, pend_k.shape[1]
+        cu = meta.query_cu_seqlens
+        lens_h = cu[1:] - cu[:-1]
+        tail_h = lens_h.clamp(max=k_max + 1)
+        commit_h = lens_h - tail_h  # tokens before a row's tail
+        slots = torch.cat([meta.decode_slots, meta.prefill_slots])
+        live, ctx = slots >= 0, meta.context_lens.to(torch.int32)
+        idx = slots.clamp(min=0)
+        self.catch_up(idx[live], ctx[live])
+
+        long_h = (commit_h > 0).nonzero().squeeze(1)
+        if long_h.numel():
+            n = commit_h[long_h]
+            ccu = torch.cat([n.new_zeros(1), n.cumsum(0)])
+            tok = (torch.repeat_interleave(cu[long_h] - ccu[:-1], n) + torch.arange(int(ccu[-1]))).to(h.device)
+            rows = long_h.to(h.device)
+            o = self.prefill(h[tok], ccu, slots[rows], ctx[rows] > 0)
+            output[tok] = o.to(output.dtype)
+        commit = commit_h.to(h.device, torch.int32)
+        fresh = (ctx == 0) & (commit == 0)  # no history: from zero (vLLM does not clear a page it hands out)
+        start, state = conv_pool[idx], gla_pool[idx]  # copies
+        start[fresh] = 0
+        state[fresh] = 0
+
+        Pm = int(tail_h.max())
+        tail = tail_h.to(h.device)
+        pos = torch.arange(Pm, device=h.device)
+        real = pos < tail[:, None]  # [N, Pm]
+        uniform = bool((tail_h == Pm).all())  # every row Pm tokens (e.g. decodes without drafts): no masking
+        tok = ((cu[:-1] + commit_h).to(h.device)[:, None] + pos).clamp(max=T - 1)  # [N, Pm]
+        # the conv window steps as the decode step does
+        window = start
+        xs = h.new_zeros(*tok.shape, self.hidden_size)
+        w, b = self.conv1d.weight[:, 0, :], self.conv1d.bias
+        for i in range(Pm):
+            xs[:, i], nxt = causal_conv1d_window_step(h[tok[:, i]], w, b, window)
+            window = nxt if uniform else torch.where(real[:, i, None, None], nxt, window)
+            if i == 0:
+                first_window = window
+        q, k, v, g = self.project(xs.view(-1, self.hidden_size) if uniform else xs[real])
+
+        def rows_of(x: torch.Tensor) -> torch.Tensor:  # packed tail tokens -> [N, Pm, ...], zero past a row's end
+            if uniform:
+                return x.view(*tok.shape, *x.shape[1:])
+            out = x.new_zeros(*tok.shape, *x.shape[1:])
+            out[real] = x
+            return out
+
+        k, v = rows_of(k), rows_of(v)
+        o, first_state = simple_gla_verify(rows_of(q), k, v, self.aug_balance, self.log_decay, self.scale, state, tail)
+        o = o.view(-1, *o.shape[2:]) if uniform else o[real]
+        output[tok.view(-1) if uniform else tok[real]] = self.gated_output(o, g).to(output.dtype)
+        keep = live.nonzero().squeeze(1)
+        at = idx[keep]
+        if keep.numel() < live.numel():  # padding rows: nothing of theirs is written
+            first_state, first_window = first_state[keep], first_window[keep]
+        gla_pool.index_copy_(0, at, first_state)
+        conv_pool.index_copy_(0, at, first_window)
+        if Pm > 1:
+            pend_k[at, : Pm - 1] = k[keep, 1:]
+            pend_v[at, : Pm - 1] = v[keep, 1:]
+            pend_h[at, : Pm - 1] = h[tok[keep, 1:]]
+        mark[at] = torch.stack([ctx + commit + 1, tail.to(torch.int32) - 1], 1)[keep]
+        output[T:] = 0
+
+    def catch_up(self, pages: torch.Tensor, context: torch.Tensor) -> None:
+        """Move each page's state and conv window over the pending tokens its sequence now has behind it: `context`
+        (vLLM's computed tokens) counts the tokens a previous step verified and vLLM accepted."""
+        gla_pool, conv_pool, pend_k, pend_v, pend_h, mark = self.kv_cache
+        covered, held = mark[pages].unbind(1)
+        n = torch.where(context > 0, context - covered, 0)
+        bad = (n < 0) | (n > held)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise RuntimeError(
+                f"{self.prefix}: state page {int(pages[i])} covers {int(covered[i])} tokens with {int(held[i])} "
+                f"pending, and its sequence has {int(context[i])}: the page does not belong to this sequence's history"
+            )
+        rows = (n > 0).nonzero().squeeze(1)
+        if not rows.numel():
+            return
+        at, n = pages[rows], n[rows]
+        gla_pool[at] = simple_gla_advance(pend_k[at], pend_v[at], self.log_decay, gla_pool[at], n)
+        W = conv_pool.shape[1]
+        joined = torch.cat([conv_pool[at], pend_h[at]], 1)  # [R, W + P, D]: the window, then the pending inputs
+        last = (n[:, None] + torch.arange(W, device=n.device)).long()  # the W inputs before the next token
+        conv_pool[at] = joined.gather(1, last[..., None].expand(-1, -1, joined.shape[-1]))
+        mark[at] = torch.stack([context[rows], torch.zeros_like(n)], 1)
 
     def profile_prefill(self, h: torch.Tensor, output: torch.Tensor) -> None:
         """The prefill of the profile run's tokens, from zero states and writing no page, laid out as the step of
@@ -170,7 +291,7 @@ class LaplaceMixer(MambaBase, nn.Module):
         """One token per row, h [B, D] (after the layer's norm) -> the o_proj input [B, H * dv] fp32. Row b's conv
         window is page conv_pages[b] (read and written: a padding row must name a page no request owns); its GLA
         state is page state_pages[b], -1 for a padding row (neither read nor written, output 0)."""
-        gla_pool, conv_pool = self.kv_cache
+        gla_pool, conv_pool = self.kv_cache[:2]
         x, window = causal_conv1d_window_step(
             h, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_pool.index_select(0, conv_pages)
         )
@@ -184,7 +305,7 @@ class LaplaceMixer(MambaBase, nn.Module):
     ) -> torch.Tensor:
         """Packed prompts h [T, D] (`cu_seqlens` on the host) -> the o_proj input [T, H * dv] fp32. Sequence n
         continues from page pages[n] if has_state[n] (a later chunk), else from zero; its page is rewritten."""
-        gla_pool, conv_pool = self.kv_cache
+        gla_pool, conv_pool = self.kv_cache[:2]
         fresh = ~has_state
         # One read of each sequence's pages (a new sequence's zeroed in place): a step of many short prompts costs
         # its tokens plus one state per sequence.
@@ -203,7 +324,7 @@ class LaplaceMixer(MambaBase, nn.Module):
     ) -> torch.Tensor:
         """`prefill` of one prompt padded to a static length T, for a compiled graph: h [T, D] whose first `length`
         (0-d tensor) tokens are real, page [1]; padded tokens neither change the state nor reach a real output."""
-        gla_pool, conv_pool = self.kv_cache
+        gla_pool, conv_pool = self.kv_cache[:2]
         conv0 = torch.where(has_state, conv_pool.index_select(0, page)[0], 0)
         x, conv = causal_conv1d_prefill_padded(h, self.conv1d.weight[:, 0, :], self.conv1d.bias, length, conv0)
         q, k, v, g = self.project(x)
@@ -364,17 +485,17 @@ class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMamb
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
-        return laplace_state_shapes(vllm_config.model_config.hf_config)
+        return laplace_state_shapes(vllm_config.model_config.hf_config, pending_tokens(vllm_config))
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
-        return laplace_state_dtypes(vllm_config.model_config.dtype)
+        return laplace_state_dtypes(vllm_config.model_config.dtype, pending_tokens(vllm_config))
 
     @classmethod
     def get_mamba_state_copy_func(cls) -> tuple[Any, Any]:
         """How vLLM's prefix caching (align mode) copies a page's states into the next page: the GLA state
         whole, and the conv window whole (vLLM's own functions, in `laplace_state_shapes` order). Speculative
-        decoding, which would copy a state after some drafts, is refused (engine_checks.py)."""
+        decoding, whose pages also hold pending tokens, is refused beside it (engine_checks.py)."""
         return get_temporal_copy_spec, get_conv_copy_spec
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

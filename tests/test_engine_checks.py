@@ -148,10 +148,10 @@ def test_every_speculative_method_refused_at_start(
 ) -> None:
     """EAGLE, EAGLE3 and every other method: refused when the config is built, naming the option, the method and why
     (or, for those in _VLLM_REFUSES, by vLLM before the plugin's check); MLA-Trinity serves n-gram and EAGLE3
-    (test_trinity_speculative.py checks their output)."""
+    (test_trinity_speculative.py checks their output), Laplace n-gram (test_laplace_speculative.py)."""
     target = laplace_ckpt if model == "laplace" else trinity_ckpt
     spec = _speculative_config(method, target, tmp_path)
-    if model == "trinity" and method in ("ngram", "eagle3"):
+    if (model, method) in (("trinity", "ngram"), ("trinity", "eagle3"), ("laplace", "ngram")):
         assert _config(target, speculative_config=spec).speculative_config.method == method
         return
     if method in _VLLM_REFUSES:
@@ -159,24 +159,27 @@ def test_every_speculative_method_refused_at_start(
         with pytest.raises(error, match=message):
             _config(target, speculative_config=spec)
         return
-    if model == "laplace":
-        why = "the recurrent state advances with every draft token"
-    else:
-        why = "of vLLM's methods only n-gram"
+    why = "of vLLM's methods only n-gram"
     option = rf"--speculative-config \(speculative decoding, method '{method}'\)"
     with pytest.raises(ValueError, match=f"cannot be served with {option}: {why}"):
         _config(target, speculative_config=spec)
 
 
-def test_ngram_refused_where_unverified(trinity_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ngram_refused_where_unverified(
+    trinity_ckpt: Path, laplace_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """n-gram, served on vLLM's own runner at one rank, is refused under vLLM Neuron's runner (the contract adapter's
-    decode step has no verification path) and at tensor parallelism (not verified there)."""
+    decode step has no verification path), for MLA-Trinity at tensor parallelism (not verified there) and for
+    Laplace beside prefix caching (whose state checkpoints would be copied with pending tokens in the page)."""
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
     with pytest.raises(ValueError, match="method 'ngram'.*verified at --tensor-parallel-size 1 only"):
         _config(trinity_ckpt, speculative_config=spec, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="LaplaceForCausalLM.*method 'ngram'.*with --enable-prefix-caching"):
+        _config(laplace_ckpt, speculative_config=spec, enable_prefix_caching=True)
     monkeypatch.setenv("VLLM_TRN_NEURON_ENTRY", "neuron")
-    with pytest.raises(ValueError, match="method 'ngram'.*under vLLM Neuron's runner"):
-        _config(trinity_ckpt, speculative_config=spec)
+    for ckpt in (trinity_ckpt, laplace_ckpt):
+        with pytest.raises(ValueError, match="method 'ngram'.*under vLLM Neuron's runner"):
+            _config(ckpt, speculative_config=spec)
 
 
 def test_gla_metadata_on_the_model_device(laplace_ckpt: Path) -> None:

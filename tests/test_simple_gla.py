@@ -41,9 +41,11 @@ from vllm_trn_plugin.kernels.causal_conv1d import (
 )
 from vllm_trn_plugin.kernels.simple_gla import (
     geometric_log_decay,
+    simple_gla_advance,
     simple_gla_chunked_prefill,
     simple_gla_decode_step,
     simple_gla_prefill_padded,
+    simple_gla_verify,
 )
 
 FP32_TOL = 1e-5
@@ -508,6 +510,44 @@ def test_prefill_then_decode_matches_recurrence(H, dk, dv, lengths):
         assert_close(o_pre[pre_cu[n] : pre_cu[n + 1]], o_ref[s : s + lengths[n]], FP32_TOL, f"prefill part seq{n}")
         assert_close(o_dec[n], o_ref[s + lengths[n] : cu_full[n + 1]], FP32_TOL, f"decode part seq{n}")
         assert_close(pool[slot_of[n]], S_ref[n], FP32_TOL, f"final state seq{n}")
+
+
+@pytest.mark.parametrize("H,dk,dv", [pytest.param(3, 16, 24, id="H3"), pytest.param(*REAL, id="real")])
+def test_verify_then_advance_over_the_accepted_tokens(H, dk, dv):
+    """A speculative step: rows of 1..P tokens computed from their states, the states left as they were; then each
+    state moved over only its first `accepted` tokens. Outputs and states equal the float64 recurrence over exactly
+    those tokens, and the decode step run token by token (what a step without speculation computes): its states bit
+    for bit."""
+    lens, accepted = [4, 1, 3, 2], [2, 1, 3, 0]
+    B, P = len(lens), max(lens)
+    gen = torch.Generator().manual_seed(7100 + H)
+    q, k, v = (torch.randn(B, P, H, d, generator=gen) for d in (dk, dk, dv))
+    aug, S0 = 0.3 * torch.randn(H, dk, generator=gen), torch.randn(B, H, dk, dv, generator=gen)
+    lam, log_decay, scale = ref_lambda(H, 1.0, 2048.0), geometric_log_decay(H, 1.0, 2048.0), dk**-0.5
+    before = bits(S0)
+    o, first = simple_gla_verify(q, k, v, aug, log_decay, scale, S0, torch.tensor(lens))
+    assert torch.equal(bits(S0), before), "verification moved a state"
+    S = simple_gla_advance(k, v, log_decay, S0, torch.tensor(accepted))
+    pool = S0.clone()
+    for b in range(B):
+        o_ref, _, _ = ref_recurrence(q[b, : lens[b]], k[b, : lens[b]], v[b, : lens[b]], aug, lam, scale, S0[b])
+        assert_close(o[b, : lens[b]], o_ref, FP32_TOL, f"row {b} outputs")
+        assert (o[b, lens[b] :] == 0).all(), f"row {b}: outputs past its tokens"
+        _, _, S_ref = ref_recurrence(
+            q[b, : accepted[b]], k[b, : accepted[b]], v[b, : accepted[b]], aug, lam, scale, S0[b]
+        )
+        assert_close(S[b], S_ref, FP32_TOL, f"row {b} state after {accepted[b]} accepted")
+        slot = torch.tensor([b])
+        for t in range(lens[b]):
+            o_t = simple_gla_decode_step(
+                q[b, t : t + 1], k[b, t : t + 1], v[b, t : t + 1], aug, log_decay, scale, pool, slot
+            )
+            # the einsum's summation order follows the batch; the state's update is elementwise
+            assert_close(o[b, t], o_t[0], INVARIANCE_TOL, f"row {b} token {t}: the decode step's output")
+            if t + 1 == accepted[b]:
+                assert torch.equal(bits(S[b]), bits(pool[b])), f"row {b}: not the decode step's state"
+            if t == 0:
+                assert torch.equal(bits(first[b]), bits(pool[b])), f"row {b}: not the state after its first token"
 
 
 # --------------------------------------------------------------------------- causal conv1d

@@ -53,6 +53,34 @@ def test_full_geometry_state_page(full_size_ckpt) -> None:
     assert 28e6 <= page <= 31e6, f"{page / 1e6:.2f} MB per sequence"
 
 
+@pytest.mark.parametrize("k", [3, 4])
+def test_full_geometry_state_page_under_speculation(full_size_ckpt, k: int) -> None:
+    """Under n-gram speculation with k drafts a page also keeps k tokens' keys, values and conv inputs (bf16) and
+    two int32 counters per layer: 28.75 MB + k x 0.369 MB per sequence, one page (vLLM's default for a recurrent
+    model is a state page per position of a verification row, (k + 1) x 28.75 MB)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from vllm_trn_plugin.model_executors.laplace import LaplaceForCausalLM
+
+    spec_config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
+    vc = EngineArgs(
+        model=str(full_size_ckpt),
+        max_model_len=8192,
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        speculative_config=spec_config,
+    ).create_engine_config()
+    spec = MambaSpec(
+        shapes=LaplaceForCausalLM.get_mamba_state_shape_from_config(vc),
+        dtypes=LaplaceForCausalLM.get_mamba_state_dtype_from_config(vc),
+        block_size=vc.cache_config.mamba_block_size,
+    )
+    per_token = (16 * 96 + 16 * 192 + 3072) * 2  # one token's key, value and conv input, one layer
+    assert spec.page_size_bytes * 24 == 28_753_920 + 24 * (k * per_token + 8)
+    print(f"\nk = {k}: {spec.page_size_bytes * 24 / 1e6:.2f} MB per sequence")
+
+
 @pytest.mark.parametrize(("budget_pages", "sequences"), [(65, 64), (64, 63)])
 def test_budget_in_pages_admits_one_sequence_less_than_pages(full_size_ckpt, budget_pages: int, sequences: int) -> None:
     """The README's sizing rule, through vLLM's own cache sizing and block pool: a budget of N whole state pages

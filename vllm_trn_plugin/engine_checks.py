@@ -1,9 +1,10 @@
 """What the plugin's models need from vLLM's engine config, checked when the config is built (vLLM's per-architecture
 hooks, `MODELS_CONFIG_MAP`), before any engine or worker process starts.
 
-- Refused, each with its reason: vLLM features a model cannot serve exactly. Laplace's recurrent state advances with
-  every token a step feeds it, so speculative decoding (of any method: vLLM rolls rejected drafts back only in
-  attention caches) would leave it past the accepted tokens. MLA-Trinity keeps a key-scale store beside vLLM's latent
+- Refused, each with its reason: vLLM features a model cannot serve exactly. Laplace serves n-gram speculation (its
+  mixer keeps the drafts' recurrence inputs in the page and moves the state over those vLLM accepted, one step
+  later); the other methods are unverified, and beside --enable-prefix-caching vLLM would copy and keep pages
+  whose state does not yet cover the tokens they hold. MLA-Trinity keeps a key-scale store beside vLLM's latent
   blocks (model_executors/latent_attention.py), so anything that moves or copies blocks outside the model's forward
   (KV connectors, KV offloading, disaggregated prefill) would move latents without their scales. Of the speculative
   methods it serves n-gram (prompt lookup) and EAGLE3 (its model returns the residual stream after the layers the
@@ -156,11 +157,12 @@ class LaplaceEngineChecks(MambaModelConfig):
     @classmethod
     def verify_and_update_config(cls, vllm_config: VllmConfig) -> None:
         _refuse_layout(vllm_config, "LaplaceForCausalLM")
+        spec_why, spec_served = _laplace_speculation(vllm_config)
         _refuse_features(
             vllm_config,
             "LaplaceForCausalLM",
-            speculative="the recurrent state advances with every draft token a step verifies, and vLLM does not "
-            "roll a state back past rejected drafts",
+            speculative=spec_why,
+            speculative_served=spec_served,
             block_movers="the recurrent-state pages are not supported by vLLM's KV connectors",
             lora="the model does not implement vLLM's LoRA interface (SupportsLoRA); no adapter has been verified "
             "against merged weights through its stateful mixer",
@@ -211,6 +213,23 @@ def _laplace_checkpoint_interval(vllm_config: VllmConfig) -> None:
     cache.block_size = cache.mamba_block_size
     cache.user_specified_block_size = True  # so that the platform keeps it
     logger.info("Laplace prefix caching: a state checkpoint every %d tokens", cache.mamba_block_size)
+
+
+def _laplace_speculation(vllm_config: VllmConfig) -> tuple[str, tuple[str, ...]]:
+    """Laplace's speculative methods served in this configuration, and why the others are refused."""
+    if neuron_runner_active():
+        return "under vLLM Neuron's runner the contract adapter's decode step takes one token per request", ()
+    if vllm_config.cache_config.enable_prefix_caching:
+        return (
+            "with --enable-prefix-caching vLLM copies and keeps state pages at block boundaries, and under "
+            "speculation a page also holds tokens not yet in its state; serve one or the other",
+            (),
+        )
+    return (
+        "of vLLM's methods only n-gram (prompt lookup) is served, verified against the recurrent state; the others "
+        "(EAGLE, a separate draft model, Medusa, ...) have not been",
+        ("ngram",),
+    )
 
 
 def _trinity_speculation(vllm_config: VllmConfig) -> tuple[str, tuple[str, ...]]:
