@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import subprocess
@@ -46,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from harness import scratch_dir
+from harness import save_result, scratch_dir
 
 from vllm_trn_plugin.bench.client import RequestResult, Target, stream_request
 from vllm_trn_plugin.bench.local import LocalServer, serve_demo, vllm_trn_command
@@ -111,11 +110,12 @@ def start_servers(args: argparse.Namespace, root: Path) -> dict[str, LocalServer
 
 
 async def chat_turn(
-    session: aiohttp.ClientSession, server: LocalServer, messages: list[dict[str, str]], n: int
+    session: aiohttp.ClientSession, server: LocalServer, messages: list[dict[str, str]], n: int, user: str | None = None
 ) -> RequestResult:
-    """One streamed turn, greedy; its `cached_tokens` as the server reports them for this request."""
+    """One streamed turn, greedy; its `cached_tokens` as the server reports them for this request. `user`: the
+    OpenAI request's end-user id (what a session-aware router keys on)."""
     target = Target(server.url, model=server.model, endpoint="chat")
-    params = {"temperature": 0.0, "ignore_eos": True}
+    params: dict[str, Any] = {"temperature": 0.0, "ignore_eos": True} | ({"user": user} if user else {})
     res = await stream_request(session, target, RequestSpec(0, messages, n), params, time.perf_counter(), True)
     if not res.ok:
         raise RuntimeError(f"{server.url}: {res.error}")
@@ -229,11 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                 s.stop()
     summary = report(rows, args)
     plot(rows, args.plot)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "turns": rows, "summary": summary}, indent=1)
-    )
-    print(f"total {time.perf_counter() - t0:.0f} s; JSON: {args.out}")
+    save_result(args.out, {"args": vars(args), "turns": rows, "summary": summary}, t0)
 
 
 if __name__ == "__main__":

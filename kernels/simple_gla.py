@@ -241,25 +241,32 @@ def simple_gla_verify(
     state: torch.Tensor,
     lengths: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to P tokens per sequence from its state, one token at a time (the decode step's recurrence, op for op): a
-    speculative verification step, whose tokens after the first vLLM accepts or rejects afterwards.
+    """Up to P tokens per sequence from its state: a speculative verification step, whose tokens after the first
+    vLLM accepts or rejects afterwards. The first token as the decode step computes it (op for op: the state after
+    it is bit for bit the decode step's); the others from that state in the chunked form (one read of it, however
+    many drafts), their decay mask lambda^(i-j) on the causal triangle.
 
     q, k: [B, P, H, dk]; v: [B, P, H, dv]; state: [B, H, dk, dv] fp32 (not modified); lengths: [B] int, the real
-    tokens of each row (1..P). Returns (o [B, P, H, dv] in q's dtype, zero past a row's length; the state after each
-    row's first token [B, H, dk, dv] fp32)."""
+    tokens of each row (1..P; q, k, v past them must be finite: they are masked out). Returns (o [B, P, H, dv] in q's
+    dtype, zero past a row's length; the state after each row's first token [B, H, dk, dv] fp32)."""
     B, P, H, _ = q.shape
-    lam = torch.exp(log_decay.to(q.device, torch.float32))[None, :, None, None]
-    steps = int(lengths.max()) if B else 0
-    o = q.new_zeros(B, P, H, v.shape[-1], dtype=torch.float32)
-    S = first = state
     if B and int(lengths.min()) < 1:
         raise ValueError(f"simple_gla_verify: every row needs a token, lengths {lengths.tolist()}")
-    for i in range(steps):
-        qf, kf, vf = q[:, i].float(), k[:, i].float(), v[:, i].float()
-        S = lam * S + kf[..., :, None] * vf[..., None, :]  # a row past its length: its outputs are dropped
-        o[:, i] = scale * torch.einsum("bhd,bhde->bhe", qf, S) + _self_augmentation(qf, kf, vf, aug.float())
-        if i == 0:
-            first = S
+    ld = log_decay.to(q.device, torch.float32)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    q0, k0, v0 = qf[:, 0], kf[:, 0], vf[:, 0]
+    first = torch.exp(ld)[None, :, None, None] * state + k0[..., :, None] * v0[..., None, :]
+    o = qf.new_zeros(B, P, H, v.shape[-1])
+    o[:, 0] = scale * torch.einsum("bhd,bhde->bhe", q0, first)
+    if P > 1:
+        qd, kd, vd = qf[:, 1:], kf[:, 1:], vf[:, 1:]
+        i = torch.arange(1, P, device=q.device, dtype=torch.float32)
+        inter = torch.einsum("bphd,bhde->bphe", qd, first) * torch.exp(i[:, None] * ld)[None, :, :, None]
+        diff = i[:, None] - i[None, :]  # [P-1, P-1]
+        D = torch.where(diff >= 0, torch.exp(diff.clamp(min=0) * ld[:, None, None]), 0.0)  # [H, P-1, P-1]
+        intra = torch.einsum("bhij,bjhe->bihe", torch.einsum("bihd,bjhd->bhij", qd, kd) * D, vd)
+        o[:, 1:] = scale * (inter + intra)
+    o = o + _self_augmentation(qf, kf, vf, aug.float())
     o = torch.where((torch.arange(P, device=q.device) < lengths[:, None])[..., None, None], o, 0.0)
     return o.to(q.dtype), first
 

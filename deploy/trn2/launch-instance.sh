@@ -93,8 +93,11 @@ if ((!dry)); then
     done
 fi
 
-# power_of_two: of two random replicas, the one with fewer requests in flight. Prefix caching is off,
-# so cache-aware routing has nothing to exploit. Retries/circuit breaker: the router's defaults.
+# power_of_two: of two random replicas, the one with fewer requests in flight. Prefix caching is off (the Neuron
+# adapter serves Laplace without it), so no replica holds a conversation's history. Replicas that cache prefixes want
+# ROUTER_POLICY=consistent_hash: one replica per OpenAI `user` / X-Session-Id (deploy/bench_laplace_routing.py:
+# 82% of a chat's prompt tokens cached against 68-70%, TTFT 1.35-1.57x lower, on two CPU replicas).
+# Retries/circuit breaker: the router's defaults.
 router=(vllm-router --host "${ROUTER_HOST:-0.0.0.0}" --port "${PORT:-$base}" --worker-urls "${urls[@]}"
     --policy "${ROUTER_POLICY:-power_of_two}" --prometheus-host "${METRICS_HOST:-127.0.0.1}" --prometheus-port 29000
     --request-timeout-secs 3600)
