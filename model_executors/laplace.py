@@ -173,9 +173,10 @@ class LaplaceMixer(MambaBase, nn.Module):
     def mix_speculative(self, h: torch.Tensor, output: torch.Tensor, meta: GLAStateMetadata) -> None:
         """`mix` under speculative decoding (k drafts at most). Any of a row's last k tokens may be a draft: a
         verification row is the token sampled last and up to k drafts, and vLLM also sends a new one-token prompt
-        with drafts, among the prefills. A row's last 1 + k tokens (its tail) are computed from the state one at a
-        time, as the decode step computes; the state after the tail's first token (never a draft) is written, and
-        the other tail tokens' keys, values and conv inputs are kept in the page. The next step, whose context says
+        with drafts, among the prefills. A row's last 1 + k tokens (its tail) are computed from the state
+        (simple_gla_verify: the first as the decode step computes it, the others from the state after it); that
+        state, after the tail's first token (never a draft), is written, and the other tail tokens' keys, values and
+        conv inputs are kept in the page. The next step, whose context says
         how many of those vLLM accepted, moves the state over exactly them (catch_up) before anything reads it. A
         row's tokens before its tail (a prompt chunk's) go into the state at once. A rejected draft is never in a
         state, a page holds one state and k tokens' inputs, and a row without drafts costs what a decode step
