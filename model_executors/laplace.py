@@ -36,7 +36,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from vllm.sequence import IntermediateTensors
 from vllm.utils.torch_utils import direct_register_custom_op
-from vllm.v1.attention.backend import AttentionBackend, max_decode_query_len
+from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
@@ -62,7 +62,14 @@ from vllm_trn_plugin.model_executors.mxfp4_fp8_config import TrnMxfp4Fp8Config
 def pending_tokens(vllm_config: VllmConfig) -> int:
     """Tokens whose recurrence inputs a state page keeps for a later step: the most drafts a verification row
     carries under speculative decoding (k), else none."""
-    return max_decode_query_len(vllm_config) - 1 if vllm_config.speculative_config is not None else 0
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return 0
+    try:  # vLLM >= 0.32 states the widest verification row (its V1 parallel drafter appends mask slots to it)
+        from vllm.v1.attention.backend import max_decode_query_len
+    except ImportError:  # vLLM 0.29 (vLLM Neuron's line): the sampled token and its k drafts
+        return spec.num_speculative_tokens
+    return max_decode_query_len(vllm_config) - 1
 
 
 def laplace_state_shapes(config: LaplaceConfig, pending: int = 0) -> tuple[tuple[int, ...], ...]:
