@@ -134,7 +134,9 @@ def test_one_page_per_sequence(spec_llm: Any) -> None:
     and the rest wait for pages."""
     engine = spec_llm.llm_engine
     for i, p in enumerate(random_prompts(2 * PAGES, [6], seed=12)):
-        engine.add_request(f"page-{i}", {"prompt_token_ids": p}, greedy_params(8))
+        # 32 tokens each: every request stays in flight for dozens of steps, so all 24 are queued long before the
+        # first ones finish, on any machine; the pool alone caps how many run
+        engine.add_request(f"page-{i}", {"prompt_token_ids": p}, greedy_params(32))
     running = []
     while engine.has_unfinished_requests():
         engine.step()
